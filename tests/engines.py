@@ -1,0 +1,144 @@
+"""Starting, driving and inspecting real vLLM CPU engines in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from vllm import LLM, SamplingParams
+
+from vllm_peagle.metrics import SpecDecodeCounters
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    # float32 keeps greedy ties rare: batched verification and single-token decoding
+    # accumulate in different orders, and bf16 would flip near-tied argmaxes.
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 512,
+    "max_num_seqs": 32,
+    "gpu_memory_utilization": 0.3,
+    "seed": 0,
+    "disable_log_stats": False,
+}
+
+PROMPTS = [
+    "import os\nimport sys\n\n\ndef main(",
+    "class Queue:\n    def __init__(self",
+    "def _read_config(path):\n    with open(",
+    "    for key, value in sorted(",
+    "if __name__ == '__main__':\n",
+    "    raise ValueError(",
+    "from collections import ",
+    "        return self._",
+    "def __repr__(self):\n        return ",
+    "# Copyright 2001 Python Software Foundation\n",
+    "    try:\n        import ",
+    "    @property\n    def name(self",
+    "            elif isinstance(",
+    "def test_",
+    "    lines = text.splitlines()\n",
+    "class Error(Exception):\n",
+]
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set environment variables for engines started inside (children inherit them)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def start_engine(target: str, speculative_config: dict | None = None, **overrides: Any) -> LLM:
+    kwargs = {**ENGINE_DEFAULTS, **overrides}
+    return LLM(str(target), speculative_config=speculative_config, **kwargs)
+
+
+def stop_engine(llm: LLM) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def greedy_token_ids(llm: LLM, prompts: Sequence[str], max_tokens: int = 48) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:
+    return SpecDecodeCounters.from_metrics(llm.get_metrics())
+
+
+def _install_forward_counters(worker: Any) -> bool:
+    runner = worker.model_runner
+    counts = {"target": 0, "drafter": 0}
+
+    def counter(key: str):
+        def hook(module: Any, args: Any, output: Any) -> None:
+            counts[key] += 1
+
+        return hook
+
+    worker._peagle_test_counts = counts
+    runner.model.register_forward_hook(counter("target"))
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and hasattr(drafter, "model"):
+        drafter.model.register_forward_hook(counter("drafter"))
+    return True
+
+
+def _read_forward_counters(worker: Any) -> dict[str, int]:
+    counts = dict(worker._peagle_test_counts)
+    for key in counts:
+        worker._peagle_test_counts[key] = 0
+    return counts
+
+
+def install_forward_counters(llm: LLM) -> None:
+    llm.collective_rpc(_install_forward_counters)
+
+
+def read_forward_counters(llm: LLM) -> list[dict[str, int]]:
+    """Target and drafter forward passes per worker since the last read (then reset)."""
+    return llm.collective_rpc(_read_forward_counters)
+
+
+def _drafter_info(worker: Any) -> dict[str, Any]:
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return {
+        "class": type(drafter).__name__,
+        "peagle_enabled": getattr(drafter, "peagle_enabled", None),
+        "parallel_drafting": getattr(drafter, "parallel_drafting", None),
+    }
+
+
+def drafter_info(llm: LLM) -> list[dict[str, Any]]:
+    return llm.collective_rpc(_drafter_info)
+
+
+BATCH_SIZES = (1, 4, 16)
+
+
+def plain_greedy_reference(target: str) -> dict[int, list[list[int]]]:
+    """Greedy outputs of stock vLLM (our plugin not loaded) for each batch size."""
+    with environment(VLLM_PLUGINS="no-plugins"):
+        llm = start_engine(target)
+        try:
+            return {b: greedy_token_ids(llm, PROMPTS[:b]) for b in BATCH_SIZES}
+        finally:
+            stop_engine(llm)
+
+
+def peagle_spec(drafter: object, k: int = 4) -> dict[str, Any]:
+    return {"method": "peagle", "model": str(drafter), "num_speculative_tokens": k}

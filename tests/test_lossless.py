@@ -1,0 +1,58 @@
+"""Greedy P-EAGLE output equals plain decoding token for token, in one drafter pass per step."""
+
+import pytest
+
+from tests.engines import (
+    BATCH_SIZES,
+    PROMPTS,
+    drafter_info,
+    greedy_token_ids,
+    install_forward_counters,
+    read_forward_counters,
+    spec_decode_counters,
+    start_engine,
+    stop_engine,
+)
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module", params=[1, 4, 8, 32], ids=lambda k: f"K{k}")
+def peagle_engine(request, local_models):
+    k = request.param
+    spec = {
+        "method": "peagle",
+        "model": str(local_models.peagle_native),
+        "num_speculative_tokens": k,
+    }
+    llm = start_engine(local_models.target, spec)
+    install_forward_counters(llm)
+    yield k, llm
+    stop_engine(llm)
+
+
+def test_engine_uses_our_proposer(peagle_engine):
+    _, llm = peagle_engine
+    assert drafter_info(llm) == [
+        {"class": "PEagleProposer", "peagle_enabled": True, "parallel_drafting": True}
+    ]
+
+
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+def test_greedy_equals_plain_decoding(peagle_engine, plain_reference, batch_size):
+    k, llm = peagle_engine
+    before = spec_decode_counters(llm)
+    assert greedy_token_ids(llm, PROMPTS[:batch_size]) == plain_reference[batch_size]
+    window = spec_decode_counters(llm) - before
+    assert window.num_drafts > 0, "speculation never ran"
+    assert window.num_draft_tokens == k * window.num_drafts, "each step verifies K drafts"
+
+
+def test_exactly_one_drafter_forward_per_step(peagle_engine):
+    _, llm = peagle_engine
+    read_forward_counters(llm)  # discard what start-up and earlier tests ran
+    greedy_token_ids(llm, PROMPTS[:4], max_tokens=24)
+    [counts] = read_forward_counters(llm)
+    assert counts["target"] > 0
+    # Each engine step runs the target once and then drafts for the next step.
+    assert counts["drafter"] == counts["target"], counts

@@ -1,0 +1,43 @@
+"""Everything we serve holds under tensor parallelism (two CPU workers)."""
+
+import pytest
+
+from tests.engines import (
+    PROMPTS,
+    drafter_info,
+    environment,
+    greedy_token_ids,
+    install_forward_counters,
+    read_forward_counters,
+    start_engine,
+    stop_engine,
+)
+
+pytestmark = pytest.mark.engine
+
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+def test_tp2_lossless_with_one_drafter_pass(local_models):
+    with environment(VLLM_PLUGINS="no-plugins", **TP2):
+        llm = start_engine(local_models.target, tensor_parallel_size=2)
+        try:
+            plain = {b: greedy_token_ids(llm, PROMPTS[:b]) for b in (4, 16)}
+        finally:
+            stop_engine(llm)
+    spec = {
+        "method": "peagle",
+        "model": str(local_models.peagle_native),
+        "num_speculative_tokens": 4,
+    }
+    with environment(**TP2):
+        llm = start_engine(local_models.target, spec, tensor_parallel_size=2)
+        try:
+            assert [i["peagle_enabled"] for i in drafter_info(llm)] == [True, True]
+            install_forward_counters(llm)
+            for batch_size in (4, 16):
+                assert greedy_token_ids(llm, PROMPTS[:batch_size]) == plain[batch_size]
+            for counts in read_forward_counters(llm):
+                assert counts["drafter"] == counts["target"] > 0
+        finally:
+            stop_engine(llm)

@@ -1,0 +1,245 @@
+"""``vllm-peagle`` command line: thin wrappers over the package's rooms."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from vllm_peagle.demo import run_demo
+
+    return run_demo(args.num_speculative_tokens, args.max_tokens, args.drafter)
+
+
+def _cmd_build_local_models(args: argparse.Namespace) -> int:
+    from vllm_peagle.tiny_models import ensure_local_models
+
+    models = ensure_local_models()
+    report = models.load_report()
+    print(f"local models ready in {models.root}")
+    for key, value in report.items():
+        print(f"  {key}: {value}")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from vllm_peagle.config import (
+        DrafterConfigError,
+        TargetSpec,
+        check_drafter_for_target,
+        read_drafter,
+        validate_num_speculative_tokens,
+    )
+
+    try:
+        spec = read_drafter(args.drafter)
+        target_config = json.loads((Path(args.target) / "config.json").read_text())
+        target = TargetSpec.from_dict(target_config, name=args.target)
+        problems = check_drafter_for_target(spec, target)
+        if args.num_speculative_tokens is not None:
+            validate_num_speculative_tokens(args.num_speculative_tokens)
+    except (DrafterConfigError, OSError) as err:
+        problems = [str(err)]
+    if problems:
+        for problem in problems:
+            print(f"FAIL {problem}")
+        return 1
+    print(
+        f"OK drafter '{args.drafter}' ({spec.layout} layout, {spec.num_hidden_layers} layers, "
+        f"mask token {spec.mask_token_id}) fits target '{args.target}'."
+    )
+    return 0
+
+
+def _cmd_make_prompts(args: argparse.Namespace) -> int:
+    from vllm_peagle.training.data import stdlib_prompts, write_prompts
+
+    path = write_prompts(args.out, stdlib_prompts(args.split, args.num, seed=args.seed))
+    print(f"wrote {args.num} {args.split} stdlib prompts to {path}")
+    return 0
+
+
+def _cmd_generate_data(args: argparse.Namespace) -> int:
+    from vllm_peagle.training.data import generate_data
+
+    added = generate_data(
+        args.target,
+        args.prompts,
+        args.out,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        batch_size=args.batch_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        on_error=args.on_error,
+        backend=args.backend,
+    )
+    print(f"generated {added} new responses into {args.out}")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import json
+
+    from vllm_peagle.training.trainer import TrainConfig, summarize_history, train
+
+    cfg = TrainConfig(
+        target=args.target,
+        data=args.data,
+        out=args.out,
+        kind=args.kind,
+        num_depths=args.num_depths,
+        cod_ratio=args.cod_ratio,
+        cod_min_ratio=args.cod_min_ratio,
+        num_layers=args.num_layers,
+        aux_layer_ids=args.aux_layer_ids,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        dtype=args.dtype,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        feature_cache=args.feature_cache,
+        num_threads=args.threads,
+    )
+    result = train(cfg, resume=not args.no_resume)
+    print(
+        json.dumps(
+            {
+                "steps": result.steps,
+                "seconds": round(result.seconds, 1),
+                **summarize_history(result.history),
+                "exported": result.exported,
+            }
+        )
+    )
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from vllm_peagle.evaluation.offline import evaluate_offline
+    from vllm_peagle.training.data import read_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = [p.text for p in read_prompts(args.prompts, tokenizer)][: args.num_prompts]
+    result = evaluate_offline(
+        args.target,
+        args.drafter,
+        prompts,
+        args.num_speculative_tokens,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        draft_sampling=args.draft_sampling,
+        seed=args.seed,
+    )
+    report = json.dumps(result.to_dict(), indent=2)
+    print(report)
+    if args.json:
+        Path(args.json).write_text(report + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-peagle", description="P-EAGLE parallel drafting for vLLM."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="generate with and without P-EAGLE on the local models")
+    demo.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--drafter", default=None, help="drafter checkpoint (default: local one)")
+    demo.set_defaults(func=_cmd_demo)
+
+    build = sub.add_parser("build-local-models", help="build or find the cached tiny models")
+    build.set_defaults(func=_cmd_build_local_models)
+
+    check = sub.add_parser("check", help="check that a drafter fits a target (configs only)")
+    check.add_argument("drafter", help="drafter checkpoint directory or hub id")
+    check.add_argument("--target", required=True, help="target checkpoint directory")
+    check.add_argument("-k", "--num-speculative-tokens", type=int, default=None)
+    check.set_defaults(func=_cmd_check)
+
+    prompts = sub.add_parser("make-prompts", help="write stdlib code-snippet prompts (jsonl)")
+    prompts.add_argument("--split", choices=["held_in", "held_out"], default="held_in")
+    prompts.add_argument("-n", "--num", type=int, default=512)
+    prompts.add_argument("--seed", type=int, default=0)
+    prompts.add_argument("--out", required=True)
+    prompts.set_defaults(func=_cmd_make_prompts)
+
+    gen = sub.add_parser("generate-data", help="regenerate responses to prompts with the target")
+    gen.add_argument("--target", required=True, help="target model directory")
+    gen.add_argument("--prompts", required=True, help='jsonl of {"prompt"} or {"messages"}')
+    gen.add_argument("--out", required=True, help="output jsonl (appended to; resumable)")
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument("--batch-size", type=int, default=64)
+    gen.add_argument("--max-model-len", type=int, default=1024)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--on-error", choices=["skip", "raise"], default="skip")
+    gen.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    gen.set_defaults(func=_cmd_generate_data)
+
+    tr = sub.add_parser("train", help="train a P-EAGLE (or EAGLE-3) drafter on generated data")
+    tr.add_argument("--target", required=True)
+    tr.add_argument("--data", required=True, help="generate-data output")
+    tr.add_argument("--out", required=True, help="run directory (checkpoint/, drafter/)")
+    tr.add_argument("--kind", choices=["peagle", "eagle3"], default="peagle")
+    tr.add_argument("-k", "--num-depths", type=int, default=7, help="K trained (TTT steps)")
+    tr.add_argument("--cod-ratio", type=float, default=0.7)
+    tr.add_argument("--cod-min-ratio", type=float, default=0.2)
+    tr.add_argument("--num-layers", type=int, default=2)
+    tr.add_argument("--aux-layer-ids", type=int, nargs="+", default=None)
+    tr.add_argument("--steps", type=int, default=600)
+    tr.add_argument("--batch-size", type=int, default=4)
+    tr.add_argument("--max-seq-len", type=int, default=320)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    tr.add_argument("--warmup-steps", type=int, default=30)
+    tr.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--checkpoint-every", type=int, default=100)
+    tr.add_argument("--feature-cache", default=None, help="cache target features here")
+    tr.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    tr.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    tr.set_defaults(func=_cmd_train)
+
+    ev = sub.add_parser("eval", help="offline acceptance (vLLM's step simulated, no engine)")
+    ev.add_argument("--target", required=True)
+    ev.add_argument("--drafter", required=True)
+    ev.add_argument("-k", "--num-speculative-tokens", type=int, default=7)
+    ev.add_argument("--prompts", required=True, help="prompts jsonl")
+    ev.add_argument("--num-prompts", type=int, default=None)
+    ev.add_argument("--max-tokens", type=int, default=128)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.add_argument(
+        "--draft-sampling", choices=["probabilistic", "greedy"], default="probabilistic"
+    )
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=int, default=None)
+    ev.add_argument("--json", default=None, help="also write the report here")
+    ev.set_defaults(func=_cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
