@@ -18,7 +18,9 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module", params=[1, 4, 8, 32], ids=lambda k: f"K{k}")
-def peagle_engine(request, local_models):
+def peagle_engine(request, local_models, plain_reference):
+    # The reference engine must exist before this one: starting an engine re-registers vLLM's
+    # Prometheus metrics and would hide a live engine's spec-decode counters.
     k = request.param
     spec = {
         "method": "peagle",
