@@ -25,3 +25,12 @@ def plain_reference(local_models) -> dict[int, list[list[int]]]:
     from tests.engines import plain_greedy_reference
 
     return plain_greedy_reference(str(local_models.target))
+
+
+@pytest.fixture(scope="session")
+def trained_peagle(local_models):
+    """A briefly trained P-EAGLE drafter (K=4, native layout): drafts that get accepted, so
+    engine tests exercise acceptance, not only rejection. ~90 s once, then cached."""
+    from vllm_peagle.training.quick import quick_train_drafter
+
+    return quick_train_drafter(local_models.target, kind="peagle", num_depths=4)

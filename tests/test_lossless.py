@@ -8,6 +8,7 @@ from tests.engines import (
     drafter_info,
     greedy_token_ids,
     install_forward_counters,
+    peagle_spec,
     read_forward_counters,
     spec_decode_counters,
     start_engine,
@@ -18,15 +19,11 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module", params=[1, 4, 8, 32], ids=lambda k: f"K{k}")
-def peagle_engine(request, local_models, plain_reference):
+def peagle_engine(request, local_models, plain_reference, trained_peagle):
     # The reference engine must exist before this one: starting an engine re-registers vLLM's
     # Prometheus metrics and would hide a live engine's spec-decode counters.
     k = request.param
-    spec = {
-        "method": "peagle",
-        "model": str(local_models.peagle_native),
-        "num_speculative_tokens": k,
-    }
+    spec = peagle_spec(trained_peagle, k)
     llm = start_engine(local_models.target, spec)
     install_forward_counters(llm)
     yield k, llm
@@ -47,6 +44,7 @@ def test_greedy_equals_plain_decoding(peagle_engine, plain_reference, batch_size
     assert greedy_token_ids(llm, PROMPTS[:batch_size]) == plain_reference[batch_size]
     window = spec_decode_counters(llm) - before
     assert window.num_drafts > 0, "speculation never ran"
+    assert window.num_accepted_tokens > 0, "no draft accepted: the acceptance path went untested"
     assert window.num_draft_tokens == k * window.num_drafts, "each step verifies K drafts"
 
 

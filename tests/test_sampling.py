@@ -7,7 +7,7 @@ import pytest
 from scipy.stats import chi2_contingency
 from vllm import SamplingParams
 
-from tests.engines import environment, start_engine, stop_engine
+from tests.engines import environment, peagle_spec, start_engine, stop_engine
 
 pytestmark = pytest.mark.engine
 
@@ -46,18 +46,14 @@ def homogeneity_p_value(a: list, b: list) -> float:
 
 
 @pytest.fixture(scope="module")
-def samples(local_models):
+def samples(local_models, trained_peagle):
     with environment(VLLM_PLUGINS="no-plugins"):
         llm = start_engine(local_models.target)
         try:
             plain = sample_continuations(llm)
         finally:
             stop_engine(llm)
-    spec = {
-        "method": "peagle",
-        "model": str(local_models.peagle_native),
-        "num_speculative_tokens": 4,
-    }
+    spec = peagle_spec(trained_peagle, 4)
     llm = start_engine(local_models.target, spec)
     try:
         ours = sample_continuations(llm)

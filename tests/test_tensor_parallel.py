@@ -8,6 +8,7 @@ from tests.engines import (
     environment,
     greedy_token_ids,
     install_forward_counters,
+    peagle_spec,
     read_forward_counters,
     start_engine,
     stop_engine,
@@ -18,18 +19,14 @@ pytestmark = pytest.mark.engine
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def test_tp2_lossless_with_one_drafter_pass(local_models):
+def test_tp2_lossless_with_one_drafter_pass(local_models, trained_peagle):
     with environment(VLLM_PLUGINS="no-plugins", **TP2):
         llm = start_engine(local_models.target, tensor_parallel_size=2)
         try:
             plain = {b: greedy_token_ids(llm, PROMPTS[:b]) for b in (4, 16)}
         finally:
             stop_engine(llm)
-    spec = {
-        "method": "peagle",
-        "model": str(local_models.peagle_native),
-        "num_speculative_tokens": 4,
-    }
+    spec = peagle_spec(trained_peagle, 4)
     with environment(**TP2):
         llm = start_engine(local_models.target, spec, tensor_parallel_size=2)
         try:

@@ -85,7 +85,8 @@ def _cmd_generate_data(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     import json
 
-    from vllm_peagle.training.trainer import TrainConfig, summarize_history, train
+    from vllm_peagle.training.export import summarize_history
+    from vllm_peagle.training.trainer import TrainConfig, train
 
     cfg = TrainConfig(
         target=args.target,

@@ -1,0 +1,1 @@
+"""Drafter evaluation: offline acceptance simulation of vLLM's speculative decoding step."""

@@ -1,0 +1,1 @@
+"""Drafter training: data generation, target features, COD sampling, trainer."""
