@@ -162,6 +162,21 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     return run_vllm_cli(["serve", *rest])
 
 
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    from vllm_peagle.monitor import run
+
+    return run(
+        args.url,
+        args.interval,
+        once=args.once,
+        duration=args.duration,
+        threshold=args.threshold,
+        min_draft_tokens=args.min_draft_tokens,
+        model_name=args.model_name,
+        as_json=True if args.json else None,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-peagle", description="P-EAGLE parallel drafting for vLLM."
@@ -244,6 +259,26 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--json", default=None, help="also write the report here")
     ev.set_defaults(func=_cmd_eval)
+
+    mon = sub.add_parser(
+        "monitor", help="watch a server's acceptance (AL, rate, per position, tok/s) via /metrics"
+    )
+    mon.add_argument("url", help="server base URL or its /metrics URL (host:port works)")
+    mon.add_argument("--interval", type=float, default=10.0, help="seconds per window")
+    mon.add_argument(
+        "--threshold", type=float, default=0.75, help="alert under this draft acceptance rate"
+    )
+    mon.add_argument(
+        "--min-draft-tokens",
+        type=int,
+        default=10,
+        help="fewer draft tokens in a window reads as idle, not as an alert",
+    )
+    mon.add_argument("--model-name", default=None, help="only this model_name label")
+    mon.add_argument("--once", action="store_true", help="one window, then exit")
+    mon.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    mon.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
+    mon.set_defaults(func=_cmd_monitor)
 
     sub.add_parser(
         "serve",
