@@ -102,17 +102,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+    def _normalize(self, xf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf.to(self.weight.dtype) * self.weight).to(x.dtype)
+        return (xf.to(self.weight.dtype) * self.weight).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._normalize(x.float(), x.dtype)
 
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's fused ``RMSNorm(x, residual)``: residual = x + residual; out = norm(residual)."""
-        summed = (x.float() + residual.float()).to(x.dtype)
-        return self.forward(summed), summed
+        # Like vLLM, normalise the float32 sum and hand back the sum rounded to dtype.
+        summed = x.float() + residual.float()
+        return self._normalize(summed, x.dtype), summed.to(x.dtype)
 
 
 class KVCache:

@@ -54,8 +54,8 @@ class BuildSettings:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     seq_len: int = 256
-    batch_size: int = 16
-    train_steps: int = 110
+    batch_size: int = 8
+    train_steps: int = 500
     lr: float = 3e-3
     eval_windows: int = 48
     drafter_layers: int = 2
