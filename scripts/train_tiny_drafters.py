@@ -29,7 +29,7 @@ def _fmt(xs: list[float]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default=None, help="default: <model cache>/runs/tiny-drafters")
+    ap.add_argument("--out", default=None, help="default: <model build>/runs/tiny-drafters")
     ap.add_argument("--train-prompts", type=int, default=1024)
     ap.add_argument("--eval-prompts", type=int, default=24)
     ap.add_argument("--response-tokens", type=int, default=192)
@@ -43,15 +43,16 @@ def main() -> int:
     import torch
 
     from vllm_peagle.evaluation.offline import evaluate_offline
-    from vllm_peagle.tiny_models import default_cache_dir, ensure_local_models
+    from vllm_peagle.tiny_models import ensure_local_models
     from vllm_peagle.training.data import generate_data, stdlib_prompts, write_prompts
     from vllm_peagle.training.export import summarize_history
     from vllm_peagle.training.trainer import TrainConfig, Trainer
 
     t_start = time.perf_counter()
-    out = Path(args.out) if args.out else default_cache_dir() / "runs" / "tiny-drafters"
-    out.mkdir(parents=True, exist_ok=True)
     models = ensure_local_models()
+    # Keyed by the model build: results of another target must never be resumed.
+    out = Path(args.out) if args.out else models.root / "runs" / "tiny-drafters"
+    out.mkdir(parents=True, exist_ok=True)
     target = str(models.target)
     timings: dict[str, float] = {}
 
