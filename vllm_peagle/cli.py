@@ -186,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="generate with and without P-EAGLE on the local models")
     demo.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--drafter", default=None, help="drafter checkpoint (default: local one)")
+    demo.add_argument(
+        "--drafter", default=None, help="drafter checkpoint (default: a quick-trained local one)"
+    )
     demo.set_defaults(func=_cmd_demo)
 
     build = sub.add_parser("build-local-models", help="build or find the cached tiny models")
