@@ -179,6 +179,18 @@ def test_drafter_starts_from_target_and_trains_embeddings(local_models, tiny_dat
     assert not torch.equal(before, d.embed_tokens.weight[mask_id]), "mask row learns"
 
 
+def test_norm_options_train_and_export(local_models, tiny_data, tmp_path) -> None:
+    options = {"norm_before_fc": True, "fc_norm": True, "norm_output": True}
+    cfg = _config(local_models, tiny_data, tmp_path, steps=2, export=True, **options)
+    result = Trainer(cfg).run(progress=False)
+    for path in result.exported.values():
+        loaded = load_drafter(Path(path))
+        assert all(getattr(loaded.config, key) for key in options), path
+        trained = result.drafter.state_dict()
+        assert any(k.startswith("fc_norm.") for k in trained)
+        assert all(torch.equal(loaded.state_dict()[k], trained[k]) for k in trained)
+
+
 def test_eagle3_kind_and_bf16(local_models, tiny_data, tmp_path) -> None:
     cfg = _config(local_models, tiny_data, tmp_path, kind="eagle3", dtype="bfloat16", steps=2)
     trainer = Trainer(cfg)

@@ -99,6 +99,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         aux_layer_ids=args.aux_layer_ids,
         mask_token_id=args.mask_token_id,
+        norm_before_fc=args.norm_before_fc,
+        fc_norm=args.fc_norm,
+        norm_output=args.norm_output,
+        norm_before_residual=args.norm_before_residual,
         steps=args.steps,
         batch_size=args.batch_size,
         max_seq_len=args.max_seq_len,
@@ -232,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--cod-min-ratio", type=float, default=0.2)
     tr.add_argument("--num-layers", type=int, default=2)
     tr.add_argument("--aux-layer-ids", type=int, nargs="+", default=None)
+    for flag, what in (
+        ("--norm-before-fc", "one RMSNorm over the aux states before fc"),
+        ("--fc-norm", "EAGLE-3.1 FC normalization: an RMSNorm per aux state before fc"),
+        ("--norm-output", "EAGLE-3.1 post-norm hidden states as aux output"),
+        ("--norm-before-residual", "layer 0 residual taken after hidden_norm"),
+    ):
+        tr.add_argument(flag, action="store_true", help=what)
     tr.add_argument("--mask-token-id", type=int, default=None, help="default: tokenizer's")
     tr.add_argument("--steps", type=int, default=600)
     tr.add_argument("--batch-size", type=int, default=4)

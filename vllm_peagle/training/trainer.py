@@ -61,6 +61,14 @@ class TrainConfig:
     aux_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     """Default: the tokenizer's mask token."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated aux states before ``fc``."""
+    fc_norm: bool = False
+    """EAGLE-3.1 "FC normalization": an RMSNorm per aux state before ``fc``."""
+    norm_output: bool = False
+    """EAGLE-3.1 "post-norm hidden states" as the drafter's aux output."""
+    norm_before_residual: bool = False
+    """Take layer 0's residual after ``hidden_norm`` instead of before it."""
     steps: int = 600
     batch_size: int = 4
     max_seq_len: int = 320
@@ -126,6 +134,10 @@ def build_drafter(cfg: TrainConfig, target: TargetModel, tokenizer: Any) -> PEag
         max_position_embeddings=tc.max_position_embeddings,
         eagle_aux_hidden_state_layer_ids=list(target.aux_layer_ids),
         mask_token_id=mask_id,
+        norm_before_fc=cfg.norm_before_fc,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        norm_before_residual=cfg.norm_before_residual,
     )
     torch.manual_seed(cfg.seed)
     drafter = PEagleDrafter(dcfg)
