@@ -31,6 +31,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         DrafterConfigError,
         TargetSpec,
         check_drafter_for_target,
+        check_tokenizers,
         read_drafter,
         validate_num_speculative_tokens,
     )
@@ -40,10 +41,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
         target_config = json.loads((Path(args.target) / "config.json").read_text())
         target = TargetSpec.from_dict(target_config, name=args.target)
         problems = check_drafter_for_target(spec, target)
-        if args.num_speculative_tokens is not None:
-            validate_num_speculative_tokens(args.num_speculative_tokens)
+        if Path(args.drafter).is_dir():
+            problems += check_tokenizers(args.drafter, args.target)
     except (DrafterConfigError, OSError) as err:
         problems = [str(err)]
+    if args.num_speculative_tokens is not None:
+        try:
+            validate_num_speculative_tokens(args.num_speculative_tokens)
+        except DrafterConfigError as err:
+            problems.append(str(err))
     if problems:
         for problem in problems:
             print(f"FAIL {problem}")

@@ -485,3 +485,28 @@ def to_vllm_speculative_config(
         "trained_num_speculative_tokens": drafter.trained_num_speculative_tokens,
     }
     return spec, settings
+
+
+def check_tokenizers(drafter_dir: str, target_dir: str) -> list[str]:
+    """Compare the tokenizer a drafter ships (if any) with the target's, token id by token id.
+
+    Loads tokenizer files only (no weights). A drafter without tokenizer files passes: vLLM
+    always tokenizes with the target's tokenizer, so only a shipped, different one is a sign
+    of a drafter trained for another target.
+    """
+    drafter, target = Path(drafter_dir), Path(target_dir)
+    if not (drafter / "tokenizer.json").is_file() and not (drafter / "tokenizer.model").is_file():
+        return []
+    from transformers import AutoTokenizer
+
+    drafter_vocab = AutoTokenizer.from_pretrained(str(drafter)).get_vocab()
+    target_vocab = AutoTokenizer.from_pretrained(str(target)).get_vocab()
+    differing = sum(1 for tok, i in target_vocab.items() if drafter_vocab.get(tok) != i)
+    differing += sum(1 for tok in drafter_vocab if tok not in target_vocab)
+    if not differing:
+        return []
+    return [
+        f"Drafter '{drafter_dir}' ships a tokenizer that differs from target '{target_dir}' "
+        f"({differing} tokens map to other ids). Fix: use a drafter trained with this target's "
+        "tokenizer."
+    ]
