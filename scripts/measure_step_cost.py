@@ -57,6 +57,7 @@ def main() -> None:
             "method": "peagle",
             "model": drafter,
             "num_speculative_tokens": args.k,
+            "adaptive": False,  # the cost of a step at exactly this K
         },
     }
     rows = []

@@ -140,5 +140,11 @@ def plain_greedy_reference(target: str) -> dict[int, list[list[int]]]:
             stop_engine(llm)
 
 
-def peagle_spec(drafter: object, k: int = 4) -> dict[str, Any]:
-    return {"method": "peagle", "model": str(drafter), "num_speculative_tokens": k}
+def peagle_spec(drafter: object, k: int = 4, adaptive: bool = False) -> dict[str, Any]:
+    """Our method at a fixed K unless ``adaptive`` (the serving default) is asked for."""
+    return {
+        "method": "peagle",
+        "model": str(drafter),
+        "num_speculative_tokens": k,
+        "adaptive": adaptive,
+    }

@@ -53,8 +53,14 @@ def objects_of_kind(kind: str) -> list[dict[str, Any]]:
     return [obj for _, obj in k8s_objects() if obj["kind"] == kind]
 
 
+def is_training(obj: dict[str, Any]) -> bool:
+    labels = obj.get("metadata", {}).get("labels", {})
+    return labels.get("app.kubernetes.io/component") == "training"
+
+
 def the(kind: str) -> dict[str, Any]:
-    (obj,) = objects_of_kind(kind)
+    """The one serving object of ``kind`` (training-job.yaml has its own Service)."""
+    (obj,) = [o for o in objects_of_kind(kind) if not is_training(o)]
     return obj
 
 
@@ -83,7 +89,13 @@ def test_every_file_parses(path):
 # ------------------------------------------------------------------ Kubernetes schema
 
 # Objects whose schema ships with Kubernetes; custom resources are checked by hand below.
-BUILTIN_KINDS = {"Deployment", "Service", "PersistentVolumeClaim", "HorizontalPodAutoscaler"}
+BUILTIN_KINDS = {
+    "Deployment",
+    "Service",
+    "PersistentVolumeClaim",
+    "HorizontalPodAutoscaler",
+    "Job",
+}
 
 
 @pytest.mark.parametrize(
@@ -186,6 +198,46 @@ def test_kserve_inference_service():
     (container,) = predictor["containers"]
     assert container["name"] == "kserve-container"
     check_gpu_pod(predictor, container)
+
+
+# ------------------------------------------------------------------- training job
+
+
+def test_training_job_runs_torchrun_on_every_pod():
+    (job,) = objects_of_kind("Job")
+    (service,) = [o for o in objects_of_kind("Service") if is_training(o)]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    # Pod 0 gets a DNS name through the headless Service: the rendezvous endpoint.
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    assert pod["subdomain"] == service["metadata"]["name"]
+    (container,) = pod["containers"]
+    command = container["command"]
+    assert command[0] == "torchrun"
+    flags = dict(
+        a.removeprefix("--").split("=", 1) for a in command if a.startswith("--") and "=" in a
+    )
+    assert int(flags["nnodes"]) == spec["parallelism"]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert (
+        int(flags["nproc-per-node"]) == gpus == container["resources"]["requests"]["nvidia.com/gpu"]
+    )
+    host, port = flags["rdzv-endpoint"].split(":")
+    assert host == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert int(port) == service["spec"]["ports"][0]["port"]
+    # The trainer's arguments pass our own parser, and the global batch splits over ranks.
+    from vllm_peagle.cli import build_parser
+
+    train = command[command.index("vllm_peagle.cli") + 1 :]
+    args = build_parser().parse_args(train)
+    assert args.command == "train"
+    assert args.batch_size % (int(flags["nnodes"]) * gpus) == 0
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    data = next(m for m in mounts if args.out.startswith(m + "/"))
+    assert "persistentVolumeClaim" in volumes[mounts[data]]  # every rank sees the checkpoint
 
 
 # ---------------------------------------------------------------- vLLM's own parser

@@ -48,6 +48,7 @@ def test_trained_drafter_lossless_and_offline_al_matches_served(
             "method": "peagle",
             "model": str(trained_peagle.parent / "drafter-speculators"),
             "num_speculative_tokens": K,
+            "adaptive": False,  # served AL is compared at this exact K
         }
     else:
         spec = {

@@ -37,6 +37,7 @@ def test_upstream_parallel_drafting_untouched_and_equal_to_ours(local_models, pl
         "method": "peagle",
         "model": str(local_models.peagle_native),
         "num_speculative_tokens": 4,
+        "adaptive": False,  # counters are compared with upstream's fixed K
     }
     tokens_off, counters_off, info_off = run(local_models.target, upstream, plugin=False)
     tokens_on, counters_on, info_on = run(local_models.target, upstream, plugin=True)

@@ -11,9 +11,12 @@ Both layouts store the same ``model.safetensors``; every write is atomic.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,13 +70,34 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2``); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False  # e.g. a filesystem without RENAME_EXCHANGE
+    raise OSError(err, os.strerror(err), str(b))
+
+
 @contextmanager
 def atomic_directory(path: Path) -> Iterator[Path]:
     """Yield an empty staging directory next to ``path``; on success it replaces ``path``.
 
     The staging dir shares the parent so the final rename never crosses filesystems.
-    A directory cannot be renamed over a non-empty one, so an old ``path`` is moved
-    aside first and removed after the swap.
+    A directory cannot be renamed over a non-empty one, so on Linux the two are exchanged
+    atomically (a SIGKILL at any point leaves the old or the new directory at ``path``);
+    elsewhere the old ``path`` is moved aside first and removed after the swap.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,6 +109,10 @@ def atomic_directory(path: Path) -> Iterator[Path]:
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _fsync_dir(stage)
+        if path.exists() and _exchange(stage, path):
+            _fsync_dir(path.parent)
+            shutil.rmtree(stage, ignore_errors=True)  # now holds the previous contents
+            return
         old = None
         if path.exists():
             old = path.parent / f".{path.name}.old-{os.getpid()}-{id(stage)}"

@@ -83,6 +83,8 @@ def _cmd_generate_data(args: argparse.Namespace) -> int:
         seed=args.seed,
         on_error=args.on_error,
         backend=args.backend,
+        num_shards=args.num_shards,
+        shard_index=args.shard_index,
     )
     print(f"generated {added} new responses into {args.out}")
     return 0
@@ -90,6 +92,7 @@ def _cmd_generate_data(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     import json
+    import os
 
     from vllm_peagle.training.export import summarize_history
     from vllm_peagle.training.trainer import TrainConfig, train
@@ -119,8 +122,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         feature_cache=args.feature_cache,
         num_threads=args.threads,
+        log_every=args.log_every,
+        export=not args.no_export,
+        segment_len=args.segment_len,
+        distributed=args.distributed,
+        device=args.device,
     )
     result = train(cfg, resume=not args.no_resume)
+    if int(os.environ.get("RANK", "0")):
+        return 0  # torchrun: rank 0 reports
     print(
         json.dumps(
             {
@@ -140,6 +150,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     import torch
 
+    from vllm_peagle.evaluation.long_context import ContextBuckets
     from vllm_peagle.evaluation.offline import evaluate_offline
     from vllm_peagle.training.data import read_prompts
 
@@ -158,6 +169,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         draft_sampling=args.draft_sampling,
         seed=args.seed,
+        context_buckets=ContextBuckets(tuple(args.context_buckets))
+        if args.context_buckets
+        else None,
     )
     report = json.dumps(result.to_dict(), indent=2)
     print(report)
@@ -185,6 +199,18 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
         model_name=args.model_name,
         as_json=True if args.json else None,
     )
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from vllm_peagle.bench.command import run
+
+    return run(args)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from vllm_peagle.adaptive.tune import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--on-error", choices=["skip", "raise"], default="skip")
     gen.add_argument("--backend", choices=["vllm", "hf"], default="vllm")
+    gen.add_argument(
+        "--num-shards", type=int, default=1, help="split the prompts over this many workers"
+    )
+    gen.add_argument(
+        "--shard-index", type=int, default=0, help="this worker's shard (0..N-1); own --out"
+    )
     gen.set_defaults(func=_cmd_generate_data)
 
     tr = sub.add_parser("train", help="train a P-EAGLE (or EAGLE-3) drafter on generated data")
@@ -261,6 +293,21 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--feature-cache", default=None, help="cache target features here")
     tr.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     tr.add_argument("--no-resume", action="store_true", help="ignore an existing checkpoint")
+    tr.add_argument("--log-every", type=int, default=10, help="steps between log records")
+    tr.add_argument("--no-export", action="store_true", help="checkpoint only, no drafter/")
+    tr.add_argument(
+        "--segment-len",
+        type=int,
+        default=None,
+        help="sequence-partitioned training: anchors per segment (bounds memory on long data)",
+    )
+    tr.add_argument(
+        "--distributed",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="under torchrun: DistributedDataParallel or FSDP sharding",
+    )
+    tr.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK if any, else cpu")
     tr.set_defaults(func=_cmd_train)
 
     ev = sub.add_parser("eval", help="offline acceptance (vLLM's step simulated, no engine)")
@@ -277,6 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--json", default=None, help="also write the report here")
+    ev.add_argument(
+        "--context-buckets",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="EDGE",
+        help="also report AL per context length: edges in tokens, e.g. 2048 8192",
+    )
     ev.set_defaults(func=_cmd_eval)
 
     mon = sub.add_parser(
@@ -298,6 +353,23 @@ def build_parser() -> argparse.ArgumentParser:
     mon.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     mon.add_argument("--json", action="store_true", help="JSON lines even on a terminal")
     mon.set_defaults(func=_cmd_monitor)
+
+    from vllm_peagle.bench.command import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser(
+        "bench", help="none vs EAGLE-3 vs upstream P-EAGLE vs ours through the OpenAI server"
+    )
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+    from vllm_peagle.adaptive.tune import add_arguments as add_tune_arguments
+
+    tune = sub.add_parser(
+        "tune", help="a K-per-batch-size table (num_speculative_tokens_per_batch_size) from "
+        "a bench profile, for engines without adaptive K"
+    )
+    add_tune_arguments(tune)
+    tune.set_defaults(func=_cmd_tune)
 
     sub.add_parser(
         "serve",

@@ -15,12 +15,15 @@ is a :class:`DrafterConfigError` whose message is one line naming the problem an
 
 from __future__ import annotations
 
+import difflib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from vllm_peagle.adaptive.policy import AdaptiveConfig
 
 MIN_SPECULATIVE_TOKENS = 1
 MAX_SPECULATIVE_TOKENS = 32
@@ -59,19 +62,18 @@ class TargetSpec:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], name: str) -> TargetSpec:
         """Build from a target ``config.json`` dict (nested ``text_config`` honoured)."""
-        text = config.get("text_config") or config
-        try:
-            return cls(
-                name=name,
-                hidden_size=int(text["hidden_size"]),
-                vocab_size=int(text["vocab_size"]),
-                num_hidden_layers=int(text["num_hidden_layers"]),
-            )
-        except KeyError as missing:
-            raise DrafterConfigError(
-                f"Target config of '{name}' has no {missing} field. "
-                "Fix: point the target at a Hugging Face causal-LM checkpoint directory."
-            ) from None
+        text = config.get("text_config") if isinstance(config, Mapping) else None
+        text = text or config
+        values = {}
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+            value = text.get(key) if isinstance(text, Mapping) else None
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise DrafterConfigError(
+                    f"Target config of '{name}' has no valid {key} (got {value!r}). "
+                    "Fix: point the target at a Hugging Face causal-LM checkpoint directory."
+                )
+            values[key] = value
+        return cls(name=name, **values)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,17 @@ def _load_json(path: Path) -> dict[str, Any]:
 
 def read_safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor shapes from one safetensors file's header; detects truncated files."""
+    return {name: shape for name, (_, shape) in read_safetensors_header(path).items()}
+
+
+def _corrupt(path: Path, what: str) -> DrafterConfigError:
+    return DrafterConfigError(
+        f"{path} is corrupt ({what}). Fix: download or export the drafter again."
+    )
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name to (dtype, shape) from one safetensors file's header; detects truncation."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -145,19 +158,52 @@ def read_safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
             raise DrafterConfigError(
                 f"{path} has an unreadable safetensors header. Fix: download or export it again."
             ) from None
-    shapes: dict[str, tuple[int, ...]] = {}
+    if not isinstance(header, dict):
+        raise _corrupt(path, "its header is not a JSON object")
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     data_len = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        shapes[name] = tuple(info["shape"])
-        data_len = max(data_len, info["data_offsets"][1])
+        if not isinstance(info, dict):
+            raise _corrupt(path, f"header entry {name!r} is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or not dtype.isidentifier() or not _is_index_list(shape):
+            raise _corrupt(path, f"tensor {name!r} has no valid dtype and shape")
+        if not _is_index_list(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise _corrupt(path, f"tensor {name!r} has invalid data_offsets {offsets!r}")
+        tensors[name] = (dtype, tuple(shape))
+        data_len = max(data_len, offsets[1])
     if 8 + header_len + data_len > size:
         raise DrafterConfigError(
             f"{path} is truncated ({size} bytes, tensors need {8 + header_len + data_len}). "
             "Fix: download or export it again."
         )
-    return shapes
+    return tensors
+
+
+def _is_index_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
+    )
+
+
+# Integer weights in a checkpoint without a quantization config load as garbage floats.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+INDEX_TENSORS = ("d2t", "t2d")
+"""Vocabulary maps: the only tensors of a drafter stored as integers."""
+
+
+def _check_weight_dtypes(model: str, config: Mapping[str, Any], dtypes: dict[str, str]) -> None:
+    if config.get("quantization_config") is not None:
+        return
+    for name, dtype in sorted(dtypes.items()):
+        if dtype not in FLOAT_DTYPES and name.rsplit(".", 1)[-1] not in INDEX_TENSORS:
+            raise DrafterConfigError(
+                f"Drafter '{model}' stores weight {name!r} as {dtype}, not a floating-point "
+                "type (F32/F16/BF16), and has no quantization_config. Fix: re-export the "
+                "drafter in float32 or bfloat16."
+            )
 
 
 def _resolve_local_dir(model: str) -> Path | None:
@@ -211,22 +257,30 @@ def read_drafter_dict(model: str) -> tuple[dict[str, Any], dict[str, tuple[int, 
             "Fix: export the drafter with its weights (vllm-peagle export) or download them."
         )
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for weight_file in weight_files:
-        shapes.update(read_safetensors_shapes(weight_file))
-    return _load_json(config_path), shapes
+        for name, (dtype, shape) in read_safetensors_header(weight_file).items():
+            dtypes[name], shapes[name] = dtype, shape
+    config = _load_json(config_path)
+    _check_weight_dtypes(model, config, dtypes)
+    return config, shapes
 
 
 def is_peagle_config(config: Mapping[str, Any]) -> bool:
     """True for a P-EAGLE drafter config in either layout."""
+    if not isinstance(config, Mapping):
+        return False
     if config.get("speculators_model_type") == "peagle":
         return True
-    architectures = " ".join(config.get("architectures") or [])
+    names = config.get("architectures")
+    names = names if isinstance(names, list) else []
+    architectures = " ".join(n for n in names if isinstance(n, str))
     is_eagle3 = "Eagle3" in architectures or "Peagle" in architectures
     return is_eagle3 and any(config.get(key) is not None for key in MASK_TOKEN_KEYS)
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def normalise_drafter_config(
@@ -236,16 +290,19 @@ def normalise_drafter_config(
 ) -> DrafterSpec:
     """Normalise either layout into a :class:`DrafterSpec`; raises DrafterConfigError."""
     if not isinstance(config, Mapping):
-        raise DrafterConfigError(f"Drafter config of '{path}' must be a JSON object.")
+        raise DrafterConfigError(
+            f"Drafter config of '{path}' must be a JSON object, got {type(config).__name__}. "
+            "Fix: re-export the drafter (config.json holds one JSON object)."
+        )
     layout: Literal["native", "speculators"] = "native"
     layer = config
     trained_k = None
     if config.get("speculators_model_type") is not None:
         if config["speculators_model_type"] != "peagle":
             raise DrafterConfigError(
-                f"Drafter '{path}' is a speculators '{config['speculators_model_type']}' "
+                f"Drafter '{path}' is a speculators {config['speculators_model_type']!r} "
                 "checkpoint, not P-EAGLE. Fix: use method "
-                f"'{config['speculators_model_type']}' or a P-EAGLE drafter."
+                f"{config['speculators_model_type']!r} or a P-EAGLE drafter."
             )
         layout = "speculators"
         layer = config.get("transformer_layer_config")
@@ -254,13 +311,30 @@ def normalise_drafter_config(
                 f"Speculators drafter '{path}' has no transformer_layer_config object. "
                 "Fix: re-export it with vllm-peagle export --layout speculators."
             )
-        methods = (config.get("speculators_config") or {}).get("proposal_methods") or []
+        speculators = config.get("speculators_config") or {}
+        if not isinstance(speculators, Mapping):
+            raise DrafterConfigError(
+                f"Speculators drafter '{path}' has speculators_config={speculators!r}, not an "
+                "object. Fix: re-export it with vllm-peagle export --layout speculators."
+            )
+        methods = speculators.get("proposal_methods")
+        if not isinstance(methods, list | None):
+            raise DrafterConfigError(
+                f"Speculators drafter '{path}' has speculators_config.proposal_methods="
+                f"{methods!r}, not a list. Fix: re-export it with vllm-peagle export."
+            )
         if methods and isinstance(methods[0], Mapping):
-            trained_k = _int_or_none(methods[0].get("speculative_tokens"))
+            trained_k = methods[0].get("speculative_tokens")
+            if trained_k is not None and not _positive_int(trained_k):
+                raise DrafterConfigError(
+                    f"Speculators drafter '{path}' records speculative_tokens={trained_k!r}, "
+                    "not a positive integer. Fix: set it to the K the drafter was trained for."
+                )
 
-    def required_int(source: Mapping[str, Any], key: str) -> int:
+    def required_int(source: Mapping[str, Any], key: str, default: Any = None) -> int:
         value = source.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        value = default if value is None else value
+        if not _positive_int(value):
             raise DrafterConfigError(
                 f"Drafter '{path}' has no valid '{key}' (got {value!r}). "
                 f"Fix: set '{key}' to a positive integer in its config.json."
@@ -285,6 +359,11 @@ def normalise_drafter_config(
         )
 
     eagle_config = config.get("eagle_config") or {}
+    if not isinstance(eagle_config, Mapping):
+        raise DrafterConfigError(
+            f"Drafter '{path}' has eagle_config={eagle_config!r}, not an object. "
+            "Fix: make eagle_config a JSON object (or remove it)."
+        )
     aux = config.get("eagle_aux_hidden_state_layer_ids") or eagle_config.get(
         "eagle_aux_hidden_state_layer_ids"
     )
@@ -298,15 +377,13 @@ def normalise_drafter_config(
             )
         aux = tuple(aux)
 
-    draft_vocab = config.get("draft_vocab_size") or vocab_size
-    target_hidden = config.get("target_hidden_size") or hidden_size
     return DrafterSpec(
         path=path,
         layout=layout,
         hidden_size=hidden_size,
-        target_hidden_size=int(target_hidden),
+        target_hidden_size=required_int(config, "target_hidden_size", hidden_size),
         vocab_size=vocab_size,
-        draft_vocab_size=int(draft_vocab),
+        draft_vocab_size=required_int(config, "draft_vocab_size", vocab_size),
         num_hidden_layers=num_layers,
         mask_token_id=mask_token_id,
         aux_layer_ids=aux,
@@ -392,19 +469,52 @@ def check_drafter_for_target(spec: DrafterSpec, target: TargetSpec) -> list[str]
         None,
     )
     expected_width = len(aux) * spec.target_hidden_size
-    if mask_hidden is not None and mask_hidden[-1] != expected_width:
+    if mask_hidden is not None and mask_hidden[-1:] != (expected_width,):
         problems.append(
-            f"{where} has mask_hidden of width {mask_hidden[-1]} but fuses {len(aux)} aux states "
+            f"{where} has mask_hidden of shape {list(mask_hidden)} but fuses {len(aux)} aux states "
             f"of size {spec.target_hidden_size} (= {expected_width}). Fix: re-export the drafter."
         )
     fc = spec.weight_shapes.get("fc.weight") or spec.weight_shapes.get("model.fc.weight")
-    if fc is not None and fc[-1] != expected_width:
+    if fc is not None and fc[-1:] != (expected_width,):
         problems.append(
-            f"{where} has fc input width {fc[-1]} but {len(aux)} aux states of size "
+            f"{where} has fc of shape {list(fc)} but {len(aux)} aux states of size "
             f"{spec.target_hidden_size} give {expected_width}. Fix: make "
             "eagle_aux_hidden_state_layer_ids match the layers the drafter was trained on."
         )
     return problems
+
+
+# Per decoder layer: tensors every Llama-style drafter layer has, even with fused q/k/v or
+# gate/up projections. Layer 0 is "midlayer." in EAGLE-3 checkpoints, "layers.0." elsewhere.
+_LAYER_WEIGHTS = ("input_layernorm.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def missing_weights(spec: DrafterSpec, limit: int = 8) -> list[str]:
+    """Up to ``limit`` required tensors absent from a local drafter's safetensors."""
+    if not spec.weight_shapes:
+        return []
+    names = {name.removeprefix("model.") for name in spec.weight_shapes}
+    missing = [name for name in ("fc.weight", "norm.weight") if name not in names]
+    for layer in range(spec.num_hidden_layers):
+        prefixes = ("midlayer.", "layers.0.") if layer == 0 else (f"layers.{layer}.",)
+        for weight in _LAYER_WEIGHTS:
+            if not any(prefix + weight in names for prefix in prefixes):
+                missing.append(prefixes[0] + weight)
+        if len(missing) >= limit:  # a config claiming 10**9 layers must not loop for ages
+            break
+    return missing[:limit]
+
+
+def check_drafter_weights(spec: DrafterSpec) -> list[str]:
+    """A one-line problem when required weights are missing (checked at serving start-up)."""
+    missing = missing_weights(spec)
+    if not missing:
+        return []
+    more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+    return [
+        f"Drafter '{spec.path}' lacks weight '{missing[0]}'{more} in its safetensors. "
+        "Fix: re-export the drafter, or download all of its weight files."
+    ]
 
 
 def validate_drafter_for_target(
@@ -443,14 +553,38 @@ def is_peagle_request(speculative_config: Mapping[str, Any]) -> bool:
     return is_peagle_config(config)
 
 
+def _refuse_unknown_keys(spec: Mapping[str, Any], known_keys: Collection[str]) -> None:
+    # vLLM would reject these too, but with a multi-line pydantic report and no hint.
+    unknown = sorted(str(key) for key in spec if key not in known_keys)
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], [str(k) for k in known_keys], n=1)
+    hint = f"did you mean '{close[0]}'?" if close else "remove it."
+    raise DrafterConfigError(
+        f"Unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in the "
+        f"speculative config. Fix: {hint}"
+    )
+
+
 def to_vllm_speculative_config(
-    speculative_config: Mapping[str, Any], target: TargetSpec
+    speculative_config: Mapping[str, Any],
+    target: TargetSpec,
+    known_keys: Collection[str] | None = None,
+    require_all_weights: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Translate a P-EAGLE request into vLLM's own terms, validating it against the target.
 
     Returns the dict vLLM's ``SpeculativeConfig`` accepts (its EAGLE-3 path with parallel
-    drafting) and the settings our proposer reads from ``additional_config``.
+    drafting) and the settings our proposer reads from ``additional_config``. With
+    ``known_keys`` (vLLM's field names) a key vLLM would reject is refused in one line, and
+    ``require_all_weights`` refuses a checkpoint with required tensors missing.
     """
+    if not isinstance(speculative_config, Mapping):
+        raise DrafterConfigError(
+            f"The speculative config must be a JSON object, got {speculative_config!r}. "
+            'Fix: --speculative-config \'{"method": "peagle", "model": DRAFTER, '
+            '"num_speculative_tokens": 4}\'.'
+        )
     spec = dict(speculative_config)
     model = spec.get("model")
     if not isinstance(model, str) or not model:
@@ -477,12 +611,22 @@ def to_vllm_speculative_config(
             'was trained for. Fix: add "num_speculative_tokens": K to the speculative config.'
         )
     k = validate_drafter_for_target(drafter, target, k)
+    if require_all_weights and (problems := check_drafter_weights(drafter)):
+        raise DrafterConfigError(problems[0])
+    adaptive = spec.pop("adaptive", None)
+    try:
+        AdaptiveConfig.from_setting(adaptive)
+    except ValueError as error:
+        raise DrafterConfigError(str(error)) from None
+    if known_keys is not None:
+        _refuse_unknown_keys(spec, known_keys)
     spec.update(method="eagle3", parallel_drafting=True, num_speculative_tokens=k)
     settings = {
         "drafter": model,
         "layout": drafter.layout,
         "num_speculative_tokens": k,
         "trained_num_speculative_tokens": drafter.trained_num_speculative_tokens,
+        "adaptive": adaptive,
     }
     return spec, settings
 
@@ -497,6 +641,9 @@ def check_tokenizers(drafter_dir: str, target_dir: str) -> list[str]:
     drafter, target = Path(drafter_dir), Path(target_dir)
     if not (drafter / "tokenizer.json").is_file() and not (drafter / "tokenizer.model").is_file():
         return []
+    names = ("tokenizer.json", "tokenizer.model")
+    if any(_same_file_bytes(drafter / name, target / name) for name in names):
+        return []  # a copy of the target's own tokenizer: skip loading both (start-up cost)
     from transformers import AutoTokenizer
 
     drafter_vocab = AutoTokenizer.from_pretrained(str(drafter)).get_vocab()
@@ -510,3 +657,7 @@ def check_tokenizers(drafter_dir: str, target_dir: str) -> list[str]:
         f"({differing} tokens map to other ids). Fix: use a drafter trained with this target's "
         "tokenizer."
     ]
+
+
+def _same_file_bytes(a: Path, b: Path) -> bool:
+    return a.is_file() and b.is_file() and a.read_bytes() == b.read_bytes()

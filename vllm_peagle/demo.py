@@ -107,6 +107,11 @@ def run_demo(
     print(f"draft acceptance rate: {c.acceptance_rate:.3f}")
     per_pos = ", ".join(f"{r:.3f}" for r in c.per_position_acceptance)
     print(f"per-position acceptance: [{per_pos}]")
+    request_steps = sum(len(ids) for ids in ours.token_ids) - c.num_accepted_tokens
+    print(
+        f"drafts per request-step: {c.num_draft_tokens / max(request_steps, 1):.2f} of K="
+        f"{num_speculative_tokens} (adaptive K drafts less, or not at all, where it does not pay)"
+    )
     print(
         f"output tok/s (batch {len(DEMO_PROMPTS)}, CPU): plain {plain.tokens_per_second:.1f}, "
         f"peagle {ours.tokens_per_second:.1f}"

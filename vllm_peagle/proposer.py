@@ -77,6 +77,11 @@ class PEagleProposer(EagleProposer):
                 slot_mappings=slot_mappings,
             )
         self._last_draft_probs = None
+        if num_speculative_tokens == 0:
+            # Adaptive K chose a plain decoding step: no drafter forward at all. The drafter's
+            # KV cache misses these positions, which only lowers later acceptance (measured
+            # by tests/test_adaptive_engine.py); verification keeps the output exact.
+            return next_token_ids.new_empty((next_token_ids.shape[0], 0))
         # Slots are laid out for the configured K; a smaller per-step K (dynamic K) keeps
         # the leading drafts, which are exactly what a K-slot pass would produce for them.
         slots = self.extra_slots_per_request

@@ -30,6 +30,12 @@ from typing import Any, Literal
 import torch
 
 from vllm_peagle.checkpoint import load_drafter
+from vllm_peagle.evaluation.long_context import (
+    ContextBuckets,
+    StepRecord,
+    bucket_counters,
+    counters_summary,
+)
 from vllm_peagle.metrics import SpecDecodeCounters
 from vllm_peagle.modeling import KVCache, PEagleDrafter, prepare_parallel_inputs
 from vllm_peagle.training.hidden_states import TargetModel
@@ -44,6 +50,8 @@ class OfflineEvalResult:
     temperature: float
     outputs: list[list[int]] = field(default_factory=list)
     """Generated token ids per prompt (truncated to ``max_tokens``)."""
+    by_context: dict[str, SpecDecodeCounters] = field(default_factory=dict)
+    """Counters per context-length bucket (only when buckets were asked for)."""
 
     @property
     def acceptance_length(self) -> float:
@@ -64,6 +72,16 @@ class OfflineEvalResult:
             "num_draft_tokens": self.counters.num_draft_tokens,
             "num_accepted_tokens": self.counters.num_accepted_tokens,
             "num_prompts": len(self.outputs),
+            **(
+                {
+                    "by_context_length": {
+                        label: counters_summary(c, self.num_speculative_tokens)
+                        for label, c in self.by_context.items()
+                    }
+                }
+                if self.by_context
+                else {}
+            ),
         }
 
 
@@ -177,8 +195,10 @@ def simulate_request(
     max_tokens: int,
     gen: torch.Generator,
     counts: list[int],
+    steps: list[StepRecord] | None = None,
 ) -> list[int]:
-    """Run one request; adds to ``counts`` = [drafts, draft tokens, accepted, per-pos...]."""
+    """Run one request; adds to ``counts`` = [drafts, draft tokens, accepted, per-pos...]
+    and, when given, one :class:`StepRecord` per verification step to ``steps``."""
     k, temp = drafting.k, drafting.temperature
     drafting.reset()
     tokens = torch.tensor(prompt_ids)
@@ -196,6 +216,8 @@ def simulate_request(
         counts[0] += 1
         counts[1] += k
         counts[2] += m
+        if steps is not None:
+            steps.append(StepRecord(len(tokens) + 1, m))  # context + the sampled x_n
         for i in range(m):
             counts[3 + i] += 1
         tokens = torch.cat([tokens, torch.tensor([nxt, *drafts[:m]])])
@@ -216,8 +238,12 @@ def evaluate_offline(
     draft_sampling: DraftSampling = "probabilistic",
     seed: int = 0,
     progress: bool = True,
+    context_buckets: ContextBuckets | None = None,
 ) -> OfflineEvalResult:
-    """Acceptance figures of ``drafter`` for ``prompts`` (text, tokenized like vLLM, or ids)."""
+    """Acceptance figures of ``drafter`` for ``prompts`` (text, tokenized like vLLM, or ids).
+
+    ``context_buckets`` adds the figures per context-length bucket (``result.by_context``).
+    """
     from tqdm.auto import tqdm
 
     if not isinstance(drafter, PEagleDrafter):
@@ -241,7 +267,9 @@ def evaluate_offline(
     counts = [0, 0, 0] + [0] * k
     outputs = []
     gen = torch.Generator().manual_seed(seed)
+    steps: list[StepRecord] = []
     for ids in tqdm(id_lists, desc=f"offline eval K={k} T={temperature}", disable=not progress):
-        outputs.append(simulate_request(target, drafting, ids, max_tokens, gen, counts))
+        outputs.append(simulate_request(target, drafting, ids, max_tokens, gen, counts, steps))
     counters = SpecDecodeCounters(counts[0], counts[1], counts[2], tuple(counts[3:]))
-    return OfflineEvalResult(counters, k, temperature, outputs)
+    by_context = bucket_counters(steps, k, context_buckets) if context_buckets else {}
+    return OfflineEvalResult(counters, k, temperature, outputs, by_context)

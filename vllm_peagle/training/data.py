@@ -45,17 +45,23 @@ class Sample:
 
 def iter_jsonl(path: str | os.PathLike, on_error: OnError = "skip") -> Iterator[tuple[int, Any]]:
     """``(line number, object)`` per non-empty line; bad lines are reported as ``file:line``."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    # Bytes, decoded line by line: one line of invalid UTF-8 must not end the whole read.
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 yield lineno, json.loads(line)
+            except UnicodeDecodeError as err:
+                msg = f"{path}:{lineno}: not UTF-8 (byte {err.start})"
             except json.JSONDecodeError as err:
                 msg = f"{path}:{lineno}: invalid JSON ({err.msg})"
-                if on_error == "raise":
-                    raise ValueError(msg) from None
-                logger.warning("%s; skipped", msg)
+            else:
+                continue
+            if on_error == "raise":
+                raise ValueError(msg) from None
+            logger.warning("%s; skipped", msg)
 
 
 def render_prompt(record: Any, tokenizer: Any) -> str:
@@ -129,6 +135,27 @@ def _append_records(out: Path, records: list[dict]) -> None:
         os.fsync(fh.fileno())
 
 
+def shard_of(key: str, num_shards: int) -> int:
+    """Shard of a prompt id: a hash, so it does not move when the prompt file grows."""
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % num_shards
+
+
+def merge_shards(paths: list[str | os.PathLike], out_path: str | os.PathLike) -> int:
+    """Concatenate generate-data shard outputs into ``out_path`` (atomically), one record per
+    id (the first seen); torn last lines of crashed shards are skipped. Returns the count."""
+    from vllm_peagle.checkpoint import atomic_write_bytes
+
+    seen: set[str] = set()
+    lines: list[str] = []
+    for path in paths:
+        for _, rec in iter_jsonl(path):
+            if isinstance(rec, dict) and "id" in rec and rec["id"] not in seen:
+                seen.add(rec["id"])
+                lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    atomic_write_bytes(Path(out_path), "".join(lines).encode())
+    return len(lines)
+
+
 def _request_seed(seed: int, key: str) -> int:
     # Per-prompt seeds make each response independent of batching and of resumes (HF).
     return int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:8], 16)
@@ -147,6 +174,8 @@ def generate_data(
     on_error: OnError = "skip",
     backend: Literal["vllm", "hf"] = "vllm",
     progress: bool = True,
+    num_shards: int = 1,
+    shard_index: int = 0,
 ) -> int:
     """Regenerate responses for every prompt not yet in ``out_path``; returns how many were added.
 
@@ -155,19 +184,27 @@ def generate_data(
 
     ``backend="vllm"`` uses ``vllm.LLM`` (float32, eager, small KV cache; call from a
     ``__main__``-guarded script); ``"hf"`` samples with transformers (slow, no engine).
+
+    ``num_shards``/``shard_index``: this process takes only the prompts of its shard
+    (:func:`shard_of` their id), so N workers with their own ``out_path`` cover the data
+    set once; train on all shard files, or :func:`merge_shards` them.
     """
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard index {shard_index} outside 0..{num_shards - 1}")
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
+    out.touch()  # an empty shard still leaves its (empty) output behind
     done = _completed_keys(out)
     temps = temperature if isinstance(temperature, list) else [temperature]
     todo = [
         (p, temps[i % len(temps)])
         for i, p in enumerate(read_prompts(prompts_path, tokenizer, on_error))
-        if p.key not in done
+        # The temperature index stays global, so a shard's records equal the unsharded ones.
+        if p.key not in done and shard_of(p.key, num_shards) == shard_index
     ]
     if not todo:
         return 0
@@ -294,10 +331,10 @@ def read_dataset(
     for lineno, rec in iter_jsonl(path, on_error):
         try:
             if "input_ids" in rec:
-                ids, plen = [int(t) for t in rec["input_ids"]], int(rec.get("prompt_len", 0))
+                ids, plen = _token_ids(rec["input_ids"]), _count(rec.get("prompt_len", 0))
             else:
-                prompt = [int(t) for t in rec["prompt_token_ids"]]
-                ids, plen = prompt + [int(t) for t in rec["response_token_ids"]], len(prompt)
+                prompt = _token_ids(rec["prompt_token_ids"])
+                ids, plen = prompt + _token_ids(rec["response_token_ids"]), len(prompt)
         except (KeyError, TypeError, ValueError) as err:
             msg = f"{path}:{lineno}: not a data record ({type(err).__name__}: {err})"
             if on_error == "raise":
@@ -309,6 +346,19 @@ def read_dataset(
         if len(ids) >= 3 and plen < len(ids) - 1:
             samples.append(Sample(ids, plen))
     return samples
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _token_ids(values: Any) -> list[int]:
+    # int() would quietly turn 1.5 into 1 and "7" into 7: a corrupt line must not train.
+    if not isinstance(values, list):
+        raise TypeError(f"token ids must be a list, got {type(values).__name__}")
+    return [_count(t) for t in values]
 
 
 def stdlib_prompts(

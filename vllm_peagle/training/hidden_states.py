@@ -78,6 +78,14 @@ class TargetModel:
     def config(self) -> Any:
         return self.model.config
 
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    def to(self, device: torch.device | str) -> TargetModel:
+        self.model.to(device)
+        return self
+
     def embed_weight(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 
@@ -97,7 +105,7 @@ class TargetModel:
         """Like :meth:`hidden`, continuing a transformers KV cache (``None`` starts one when
         ``use_cache``); returns ``(aux, last hidden, cache)``."""
         out = self.model.model(
-            input_ids=input_ids,
+            input_ids=input_ids.to(self.device),
             output_hidden_states=True,
             past_key_values=cache,
             use_cache=use_cache or cache is not None,
@@ -107,7 +115,7 @@ class TargetModel:
 
     @torch.no_grad()
     def logits_from_hidden(self, last_hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(last_hidden).float()
+        return self.model.lm_head(last_hidden.to(self.device)).float()
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor) -> TargetFeatures:
@@ -142,7 +150,7 @@ class FeatureCache:
             data = load_file(str(path))
             return data["aux"], data["last"]
         aux, last = self.target.hidden(torch.tensor([ids]))
-        data = {"aux": aux[0].contiguous(), "last": last[0].float().contiguous()}
+        data = {"aux": aux[0].cpu().contiguous(), "last": last[0].float().cpu().contiguous()}
         atomic_write_bytes(path, save(data))
         return data["aux"], data["last"]
 

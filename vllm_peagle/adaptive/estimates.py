@@ -1,0 +1,127 @@
+"""Online estimates the K policy decides from: per-position acceptance and step cost.
+
+Both forget the past exponentially (a half-life in engine steps), so they follow a workload
+that changes under them: new prompts the drafter predicts worse, a batch that grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+
+def decay_for_half_life(half_life_steps: float) -> float:
+    """Per-step weight multiplier that halves an observation's weight every ``half_life_steps``."""
+    if half_life_steps <= 0:
+        raise ValueError(f"half_life_steps must be positive, got {half_life_steps}.")
+    return 0.5 ** (1.0 / half_life_steps)
+
+
+class AcceptanceEstimate:
+    """Smoothed conditional acceptance ``alpha_k = P(draft k accepted | drafts 1..k-1 accepted)``.
+
+    A verification with ``d`` drafts of which the first ``a`` were accepted tested positions
+    ``1..min(a + 1, d)`` and accepted positions ``1..a``. Each position keeps decayed counts of
+    trials and acceptances plus a Beta prior, so a position never tried (or not tried for a
+    long time) drifts back to the prior: that optimism is what makes the policy try a larger
+    K again after acceptance recovers.
+    """
+
+    def __init__(
+        self,
+        max_k: int,
+        half_life_steps: float = 64.0,
+        prior_acceptance: float = 0.5,
+        prior_weight: float = 2.0,
+    ) -> None:
+        self.max_k = max_k
+        self.decay = decay_for_half_life(half_life_steps)
+        self.prior_acceptance = prior_acceptance
+        self.prior_weight = prior_weight
+        self.trials = np.zeros(max_k)
+        self.accepted = np.zeros(max_k)
+
+    def observe_step(self, verifications: Iterable[tuple[int, int]]) -> None:
+        """Fold in one engine step: ``(num_drafts, num_accepted)`` for each verified request."""
+        self.trials *= self.decay
+        self.accepted *= self.decay
+        for num_drafts, num_accepted in verifications:
+            num_drafts = min(num_drafts, self.max_k)
+            num_accepted = min(num_accepted, num_drafts)
+            self.trials[: min(num_accepted + 1, num_drafts)] += 1.0
+            self.accepted[:num_accepted] += 1.0
+
+    def conditional(self) -> np.ndarray:
+        """``alpha_1 .. alpha_maxk`` (index 0 is position 1)."""
+        prior_hits = self.prior_acceptance * self.prior_weight
+        return (self.accepted + prior_hits) / (self.trials + self.prior_weight)
+
+
+def expected_tokens(conditional_acceptance: np.ndarray, k: int) -> float:
+    """Tokens one request gains from a step that verifies ``k`` drafts.
+
+    ``E[tokens | K] = 1 + sum_{j=1..K} prod_{i<=j} alpha_i``: the sampled (bonus) token always
+    counts, draft j counts when drafts 1..j are all accepted.
+    """
+    if k <= 0:
+        return 1.0
+    return 1.0 + float(np.cumprod(conditional_acceptance[:k]).sum())
+
+
+class StepCostModel:
+    """Seconds per engine step as a linear function of what the step runs.
+
+    ``T = c0 + c1 * tokens + c2 * [drafting] + c3 * draft_slots`` where ``tokens`` is every
+    token the target processes (prompt chunks, sampled tokens and drafts under verification),
+    ``[drafting]`` is 1 when the drafter runs after the step and ``draft_slots`` is
+    batch × K, the drafter's extra mask slots. A decoding step of batch B at K thus costs
+    ``c0 + c1·B·(1+K) + c2·[K>0] + c3·B·K``. Fitted by decayed ridge regression, so it is the
+    cost on whatever machine the engine runs on, CPU or GPU, and follows load changes.
+    """
+
+    num_features = 4
+    trusted_after = 16
+    """Observations after which predictions are used to clip outliers."""
+    outlier_factor = 3.0
+    """Step times above this multiple of the prediction are clipped to it."""
+
+    def __init__(self, half_life_steps: float = 256.0, ridge: float = 1e-6) -> None:
+        self.decay = decay_for_half_life(half_life_steps)
+        self.ridge = ridge
+        self.gram = np.zeros((self.num_features, self.num_features))
+        self.moment = np.zeros(self.num_features)
+        self.num_observations = 0
+        self._coefficients: np.ndarray | None = None
+
+    @staticmethod
+    def features(num_tokens: float, drafting: bool, draft_slots: float) -> np.ndarray:
+        return np.array([1.0, num_tokens, 1.0 if drafting else 0.0, draft_slots])
+
+    def observe(self, num_tokens: int, drafting: bool, draft_slots: int, seconds: float) -> None:
+        x = self.features(num_tokens, drafting, draft_slots)
+        if self.num_observations >= self.trusted_after:
+            # A stall (first use of a kernel shape, another process taking the CPU, a GC
+            # pause) is not the cost of this step's shape; clip it so it cannot drag the fit.
+            predicted = float(x @ self.coefficients())
+            if predicted > 0:
+                seconds = min(seconds, self.outlier_factor * predicted)
+        self.gram = self.gram * self.decay + np.outer(x, x)
+        self.moment = self.moment * self.decay + x * seconds
+        self.num_observations += 1
+        self._coefficients = None
+
+    def coefficients(self) -> np.ndarray:
+        if self._coefficients is None:
+            # A ridge relative to each feature's own scale only settles directions the
+            # observations leave undetermined (e.g. the drafting term before any K=0 step),
+            # without biasing well-measured coefficients of very different magnitudes.
+            diagonal = np.diag(self.gram)
+            regularised = self.gram + np.diag(self.ridge * diagonal + 1e-12)
+            self._coefficients = np.linalg.solve(regularised, self.moment)
+        return self._coefficients
+
+    def predict(self, batch_size: int, k: int) -> float:
+        """Predicted seconds of a decoding step of ``batch_size`` requests at ``k`` drafts."""
+        x = self.features(batch_size * (1 + k), k > 0, batch_size * k)
+        return float(x @ self.coefficients())

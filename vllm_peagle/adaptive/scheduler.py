@@ -1,0 +1,133 @@
+"""vLLM scheduler with adaptive K for P-EAGLE engines.
+
+Wired through vLLM's own extension points: ``SchedulerConfig.scheduler_cls`` names
+:func:`adaptive_scheduler` (set by :mod:`vllm_peagle.patches` for ``method: "peagle"``), and
+the K of each step travels as ``SchedulerOutput.num_spec_tokens_to_schedule``, which vLLM
+derives from the scheduler's dynamic-K table ``dynamic_sd_lookup`` (the table behind
+``num_speculative_tokens_per_batch_size``). We own that table and rewrite it before every
+step from live acceptance and step times (:class:`~vllm_peagle.adaptive.policy.KController`).
+
+A step's K decides how many drafts the drafter writes after it, verified in the next step.
+Verification stays vLLM's rejection sampler, so any K is lossless.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from vllm_peagle.adaptive.policy import AdaptiveConfig, KController
+from vllm_peagle.adaptive.scheduler_name import SCHEDULER_QUALNAME
+from vllm_peagle.config import ADDITIONAL_CONFIG_KEY
+
+logger = logging.getLogger("vllm.vllm_peagle")
+
+__all__ = ["SCHEDULER_QUALNAME", "AdaptiveKAsyncScheduler", "AdaptiveKScheduler"]
+
+
+class AdaptiveKMixin:
+    """Adds the K controller to a vLLM scheduler (sync or async)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
+        config = AdaptiveConfig.from_setting(settings.get("adaptive"))
+        self.k_controller: KController | None = None
+        if not (config.enabled and self.num_spec_tokens and self.dynamic_sd_lookup is None):
+            return
+        self.k_controller = KController(self.num_spec_tokens, self.max_num_running_reqs, config)
+        # vLLM reads dynamic_sd_lookup[batch size] each step; the controller rewrites the same
+        # list in place. A non-None table also stops vLLM padding new decodes to the full K.
+        self.dynamic_sd_lookup = self.k_controller.lookup
+        self._step_starts: dict[int, tuple[float, int, int, int]] = {}
+        self._last_output_time = 0.0
+        self._last_log_time = time.monotonic()
+        trace = os.environ.get("VLLM_PEAGLE_ADAPTIVE_TRACE")
+        # One line per step: tokens, batch size, K drafted, drafts verified, seconds.
+        self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
+        logger.info(
+            "vllm-peagle adaptive K on: K chosen per step in %d..%d from live acceptance and "
+            "step cost (calibrating over K=%s first).",
+            self.k_controller.min_k,
+            self.num_spec_tokens,
+            sorted(set(self.k_controller.calibration)),
+        )
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        controller = self.k_controller
+        if controller is None:
+            return super().schedule(*args, **kwargs)
+        controller.before_step()
+        output = super().schedule(*args, **kwargs)
+        if output.total_num_scheduled_tokens:
+            if len(self._step_starts) > 64:  # outputs that never came back (e.g. aborted)
+                self._step_starts.clear()
+            self._step_starts[id(output)] = (
+                time.perf_counter(),
+                output.total_num_scheduled_tokens,
+                len(output.num_scheduled_tokens),
+                output.num_spec_tokens_to_schedule,
+            )
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self.k_controller is not None:
+            self._observe(scheduler_output, model_runner_output)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _observe(self, scheduler_output: Any, model_runner_output: Any) -> None:
+        now = time.perf_counter()
+        started = self._step_starts.pop(id(scheduler_output), None)
+        if started is None:
+            return
+        start_time, num_tokens, batch_size, drafted_k = started
+        # Under async scheduling the next step is scheduled before this one finishes, so a
+        # step's own time starts when the previous output arrived, not when it was scheduled.
+        seconds = now - max(start_time, self._last_output_time)
+        self._last_output_time = now
+        sampled = model_runner_output.sampled_token_ids or []
+        index = model_runner_output.req_id_to_index
+        invalid = scheduler_output.num_invalid_spec_tokens or {}
+        verifications = []
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            row = index.get(req_id)
+            if row is None or row >= len(sampled) or not len(sampled[row]):
+                continue
+            num_drafts = len(drafts) - invalid.get(req_id, 0)
+            if num_drafts > 0:
+                verifications.append((num_drafts, len(sampled[row]) - 1))
+        self.k_controller.observe_step(num_tokens, batch_size, drafted_k, seconds, verifications)
+        if self._trace is not None:
+            verified = sum(d for d, _ in verifications)
+            self._trace.write(f"{num_tokens} {batch_size} {drafted_k} {verified} {seconds:.6f}\n")
+        log_every = self.k_controller.config.log_interval_s
+        if log_every and time.monotonic() - self._last_log_time >= log_every:
+            self._last_log_time = time.monotonic()
+            logger.info("vllm-peagle adaptive K, %s", self.k_controller.summary(batch_size))
+
+
+class AdaptiveKScheduler(AdaptiveKMixin, Scheduler):
+    """vLLM's synchronous scheduler with adaptive K."""
+
+
+class AdaptiveKAsyncScheduler(AdaptiveKMixin, AsyncScheduler):
+    """vLLM's asynchronous scheduler with adaptive K."""
+
+
+def adaptive_scheduler(*args: Any, vllm_config: Any, **kwargs: Any) -> Scheduler:
+    """Build the adaptive variant of the scheduler vLLM would have chosen itself.
+
+    ``scheduler_cls`` is fixed before vLLM decides on async scheduling, so it names this
+    factory, which picks the matching class once the config is final.
+    """
+    cls = (
+        AdaptiveKAsyncScheduler
+        if vllm_config.scheduler_config.async_scheduling
+        else AdaptiveKScheduler
+    )
+    return cls(*args, vllm_config=vllm_config, **kwargs)

