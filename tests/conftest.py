@@ -15,6 +15,17 @@ from vllm_peagle.tiny_models import LocalModels, ensure_local_models
 register()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small ops: extra threads only add synchronisation (and crawl on a shared machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def local_models() -> LocalModels:
     return ensure_local_models()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_peagle.modeling import PEagleDrafter, PEagleDrafterConfig, prepare_parallel_inputs
+from tests.small_drafters import small_drafter
+from vllm_peagle.modeling import PEagleDrafter, prepare_parallel_inputs
 from vllm_peagle.training.cod import (
     CodConfig,
     attention_mask,
@@ -21,19 +22,7 @@ VOCAB, MASK = 80, 79
 
 def make_drafter(parallel: bool = True, seed: int = 0) -> PEagleDrafter:
     torch.manual_seed(seed)
-    cfg = PEagleDrafterConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        target_hidden_size=24,
-        eagle_aux_hidden_state_layer_ids=[0, 1, 2],
-        mask_token_id=MASK if parallel else None,
-        rope_theta=100.0,
-    )
-    drafter = PEagleDrafter(cfg).eval()
+    drafter = small_drafter(VOCAB, MASK if parallel else None).eval()
     with torch.no_grad():  # non-trivial norms so a wrong input order shows up
         for p in drafter.parameters():
             if p.dim() == 1:

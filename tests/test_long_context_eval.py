@@ -7,19 +7,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from vllm_peagle.evaluation.long_context import ContextBuckets, StepRecord, bucket_counters
 from vllm_peagle.evaluation.offline import evaluate_offline
 from vllm_peagle.training.hidden_states import TargetModel
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_bucket_edges() -> None:

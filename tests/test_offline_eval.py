@@ -19,13 +19,7 @@ from vllm_peagle.training.hidden_states import TargetModel
 PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Queue:\n    def __init__(self"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Small ops: extra threads only add synchronisation (and crawl on a shared machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

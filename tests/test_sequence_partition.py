@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_peagle.modeling import PEagleDrafter, PEagleDrafterConfig
+from tests.small_drafters import small_drafter
+from vllm_peagle.modeling import PEagleDrafter
 from vllm_peagle.training.cod import CodConfig, cod_sample, pack_layouts
 from vllm_peagle.training.partition import partitioned_backward, segment_bounds
 from vllm_peagle.training.step import Batch, drafter_loss_sum
@@ -15,19 +16,7 @@ VOCAB, MASK = 96, 95
 
 def make_drafter(kind: str) -> PEagleDrafter:
     torch.manual_seed(0)
-    cfg = PEagleDrafterConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        vocab_size=VOCAB,
-        target_hidden_size=24,
-        eagle_aux_hidden_state_layer_ids=[0, 1, 2],
-        mask_token_id=MASK if kind == "peagle" else None,
-        rope_theta=100.0,
-    )
-    drafter = PEagleDrafter(cfg)
+    drafter = small_drafter(VOCAB, MASK if kind == "peagle" else None)
     with torch.no_grad():  # non-trivial norms and a larger init: gradients of every kind
         for p in drafter.parameters():
             p.add_(0.2 * torch.randn_like(p)) if p.dim() == 1 else p.mul_(5.0)
