@@ -82,7 +82,7 @@ def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:
 
 def _install_forward_counters(worker: Any) -> bool:
     runner = worker.model_runner
-    counts = {"target": 0, "drafter": 0}
+    counts = {"target": 0, "drafter": 0, "rejection_sampler": 0}
 
     def counter(key: str):
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -95,6 +95,9 @@ def _install_forward_counters(worker: Any) -> bool:
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "model"):
         drafter.model.register_forward_hook(counter("drafter"))
+    rejection_sampler = getattr(runner, "rejection_sampler", None)
+    if rejection_sampler is not None:
+        rejection_sampler.register_forward_hook(counter("rejection_sampler"))
     return True
 
 
@@ -110,7 +113,8 @@ def install_forward_counters(llm: LLM) -> None:
 
 
 def read_forward_counters(llm: LLM) -> list[dict[str, int]]:
-    """Target and drafter forward passes per worker since the last read (then reset)."""
+    """Target, drafter and rejection-sampler passes per worker since the last read (then
+    reset)."""
     return llm.collective_rpc(_read_forward_counters)
 
 

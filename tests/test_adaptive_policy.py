@@ -1,6 +1,7 @@
 """The adaptive-K estimates and policy on synthetic acceptance and step costs (no engine)."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -50,25 +51,42 @@ def test_acceptance_estimate_forgets_with_its_half_life():
     assert estimate.conditional()[0] < 0.2
 
 
+def true_seconds(c, batch, k, verified=None):
+    """A step of ``batch`` requests verifying ``verified`` drafts each and drafting ``k``."""
+    verified = k if verified is None else verified
+    return c[0] + c[1] * batch * (1 + verified) + (c[2] + c[3] * batch) * (k > 0)
+
+
 def test_step_cost_model_recovers_a_linear_cost():
     rng = np.random.default_rng(2)
-    c0, c1, c2, c3 = 5e-3, 2e-4, 3e-3, 5e-5
+    costs = 5e-3, 2e-4, 3e-3, 5e-5
     model = StepCostModel(half_life_steps=1e9)
     for _ in range(400):
         batch, k = int(rng.integers(1, 33)), int(rng.integers(0, 8))
-        seconds = c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k
-        model.observe(batch * (1 + k), k > 0, batch * k, seconds * rng.uniform(0.97, 1.03))
+        seconds = true_seconds(costs, batch, k) * rng.uniform(0.97, 1.03)
+        model.observe(batch * (1 + k), batch, k > 0, seconds)
     for batch, k in [(1, 0), (1, 7), (16, 3), (32, 7)]:
-        truth = c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k
-        assert model.predict(batch, k) == pytest.approx(truth, rel=0.05)
+        assert model.predict(batch, k) == pytest.approx(true_seconds(costs, batch, k), rel=0.05)
+
+
+def test_step_cost_model_separates_per_request_drafting_cost():
+    """Drafting at batch 16 costs more than at batch 1 (all K_max slots of every request run),
+    even though K is the same: calibrated at batch 1 and seen at 16, the model predicts 8."""
+    costs = 8e-3, 1e-4, 4e-3, 3e-4
+    model = StepCostModel(half_life_steps=1e9)
+    for _ in range(10):
+        for batch, k in [(1, 0), (1, 1), (1, 4), (16, 1), (16, 4)]:
+            model.observe(batch * (1 + k), batch, k > 0, true_seconds(costs, batch, k))
+    for batch, k in [(8, 0), (8, 1), (8, 4)]:
+        assert model.predict(batch, k) == pytest.approx(true_seconds(costs, batch, k), rel=0.02)
 
 
 def test_step_cost_model_clips_stalls():
     model = StepCostModel(half_life_steps=1e9)
     for i in range(40):
-        model.observe(1 + i % 4, True, i % 4, 0.010 + 0.001 * (i % 4))
+        model.observe(1 + i % 4, 1 + i % 2, i % 4 > 0, 0.010 + 0.001 * (i % 4))
     before = model.predict(1, 2)
-    model.observe(3, True, 2, 30.0)  # a 30 s stall
+    model.observe(3, 1, True, 30.0)  # a 30 s stall
     assert model.predict(1, 2) < 2 * before
 
 
@@ -76,12 +94,7 @@ def fitted_cost(c0, c1, c2, c3, max_batch=64, max_k=8) -> StepCostModel:
     model = StepCostModel(half_life_steps=1e9)
     for batch in range(1, max_batch + 1, 3):
         for k in range(max_k + 1):
-            model.observe(
-                batch * (1 + k),
-                k > 0,
-                batch * k,
-                c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k,
-            )
+            model.observe(batch * (1 + k), batch, k > 0, true_seconds((c0, c1, c2, c3), batch, k))
     return model
 
 
@@ -89,7 +102,7 @@ def brute_force_best_k(alphas, c, batch, max_k):
     best, best_rate = 0, -1.0
     for k in range(max_k + 1):
         gain = 1 + sum(np.prod(alphas[: j + 1]) for j in range(k))
-        seconds = c[0] + c[1] * batch * (1 + k) + c[2] * (k > 0) + c[3] * batch * k
+        seconds = true_seconds(c, batch, k)
         if gain / seconds > best_rate + 1e-12:
             best, best_rate = k, gain / seconds
     return best
@@ -119,8 +132,7 @@ def test_policy_respects_min_k():
     restricted = best_k(rates, min_k=2)[1]
     assert restricted >= 2
     true_rates = {
-        k: (1 + sum(0.1 ** (j + 1) for j in range(k)))
-        / (costs[0] + costs[1] * (1 + k) + costs[2] + costs[3] * k)
+        k: (1 + sum(0.1 ** (j + 1) for j in range(k))) / true_seconds(costs, 1, k)
         for k in range(2, 9)
     }
     assert restricted == max(true_rates, key=true_rates.get)
@@ -135,6 +147,7 @@ class SimulatedEngine:
         self.rng = np.random.default_rng(seed)
         self.pending_drafts = 0
         self.k_history: list[int] = []
+        self.drafted: list[int] = []
 
     def step(self, alphas, coefficients) -> None:
         self.controller.before_step()
@@ -145,12 +158,12 @@ class SimulatedEngine:
             for _ in range(self.batch)
             if verified
         ]
-        c0, c1, c2, c3 = coefficients
-        seconds = c0 + c1 * self.batch * (1 + verified) + c2 * (k > 0) + c3 * self.batch * k
+        seconds = true_seconds(coefficients, self.batch, k, verified)
         self.controller.observe_step(
             self.batch * (1 + verified), self.batch, k, seconds, verifications
         )
         self.pending_drafts = k
+        self.drafted.append(k)
         self.k_history.append(self.controller.policy_k[self.batch])
 
 
@@ -180,6 +193,44 @@ def test_k_falls_when_acceptance_collapses_and_rises_when_it_recovers():
     steps_to_rise = next(i for i, k in enumerate(after_recovery) if k >= 5)
     # Recovery is seen through probes (every 16 steps), one more position per probe.
     assert steps_to_rise <= 160, after_recovery[:180]
+
+
+# CPU-like costs of a small target: per-request drafting is dear (every K_max slot runs).
+CPU_COSTS = (8e-3, 1.5e-4, 4e-3, 3.5e-4)
+# A compute-bound target: a step's fixed cost is small beside its per-token cost.
+COMPUTE_BOUND_COSTS = (1e-3, 1e-3, 4e-3, 3.5e-4)
+
+
+def test_no_probes_where_even_a_perfect_drafter_cannot_pay():
+    batch, max_k = 16, 4
+    plain = true_seconds(COMPUTE_BOUND_COSTS, batch, 0)
+    assert all(  # K drafts, all accepted: K+1 tokens, still slower than K+1 plain steps
+        true_seconds(COMPUTE_BOUND_COSTS, batch, k) > (1 + k) * plain for k in range(1, max_k + 1)
+    )
+    controller = KController(max_k, batch, AdaptiveConfig())
+    engine = SimulatedEngine(controller, batch=batch)
+    for _ in range(300):
+        engine.step(np.full(max_k, 0.9), COMPUTE_BOUND_COSTS)
+    assert engine.k_history[-1] == 0
+    after_calibration = engine.drafted[len(controller.calibration) + 8 :]
+    assert max(after_calibration) == 0, after_calibration
+
+
+def test_probes_are_spaced_to_cost_the_budget():
+    """Poor acceptance keeps K at 0; a perfect drafter would pay, so probes continue, each
+    drafting the optimistic best K, spaced so their extra time is ~1% of decoding time."""
+    config = AdaptiveConfig()
+    controller = KController(4, 16, config)
+    engine = SimulatedEngine(controller, batch=1)
+    for _ in range(1000):
+        engine.step(np.full(4, 0.05), CPU_COSTS)
+    assert engine.k_history[-1] == 0
+    late = engine.drafted[200:]
+    assert set(late) == {0, 4}, late
+    plain = true_seconds(CPU_COSTS, 1, 0)
+    overhead = (true_seconds(CPU_COSTS, 1, 4) - plain) / plain
+    interval = max(config.probe_interval_steps, math.ceil(overhead / config.probe_budget))
+    assert late.count(4) == pytest.approx(len(late) / interval, abs=1.5), late
 
 
 def test_hysteresis_stops_flapping_between_near_equal_choices():

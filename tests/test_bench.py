@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vllm_peagle.bench.configs import CONFIGS, BenchConfig, ratio_pairs, resolve
+from vllm_peagle.bench.configs import CONFIGS, BenchConfig, label, ratio_pairs, resolve
 from vllm_peagle.bench.load import LoadResult, RequestResult, completion_body
 from vllm_peagle.bench.report import document, markdown, summarize
 from vllm_peagle.bench.stats import aggregate, percentile, same_round_ratios, summarize_run
@@ -162,6 +162,37 @@ def test_document_and_markdown_carry_ratios_and_provenance():
     assert "| 1 | 75.0 | 112.5 | 187.5 | 1.50× | 2.50× | 1.67× |" in table
     assert "0.80 0.60 0.40 0.20" in table  # ours' per-position acceptance
     assert summarize(runs, ["none", "peagle"])[0]["configs"].keys() == {"none", "peagle"}
+
+
+def test_adaptive_is_compared_with_the_best_fixed_choice_of_the_same_round():
+    configs = resolve(["none", "fixed:1", "fixed:3", "adaptive"], 7, MODELS)
+    assert [
+        c.speculative_config and c.speculative_config["num_speculative_tokens"] for c in configs
+    ] == [None, 1, 3, 7]
+    assert configs[1].speculative_config["adaptive"] is False
+    assert "adaptive" not in configs[3].speculative_config  # on by default
+    assert label("fixed:3") == "P-EAGLE (ours, K=3)"
+    for bad in ("fixed:0", "fixed:x"):
+        with pytest.raises(ValueError, match="whole number"):
+            resolve([bad], 4, MODELS)
+    runs = []
+    # fixed:3 has the best median (300 vs 290); adaptive's ratio is taken against it within
+    # each repeat, not against whichever configuration happened to peak in that repeat.
+    for repeat, (plain, k1, k3, adaptive) in enumerate(
+        [(100, 320, 280, 290), (100, 260, 320, 310)]
+    ):
+        runs += [
+            _run("none", repeat, plain),
+            _run("fixed:1", repeat, k1, 10, (5, 0, 0, 0)),
+            _run("fixed:3", repeat, k3, 10, (5, 3, 1, 0)),
+            _run("adaptive", repeat, adaptive, 10, (5, 3, 1, 0)),
+        ]
+    [row] = summarize(runs, ["none", "fixed:1", "fixed:3", "adaptive"])
+    ratio = row["ratios"]["adaptive/best fixed"]
+    assert ratio["best"] == "fixed:3"
+    assert ratio["runs"] == pytest.approx([290 / 280, 310 / 320])
+    doc = document(runs, ["none", "fixed:1", "fixed:3", "adaptive"], {}, {}, {}, ["bench"])
+    assert "(P-EAGLE (ours, K=3))" in markdown(doc)
 
 
 @pytest.mark.engine

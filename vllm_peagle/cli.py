@@ -365,8 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_peagle.adaptive.tune import add_arguments as add_tune_arguments
 
     tune = sub.add_parser(
-        "tune", help="a K-per-batch-size table (num_speculative_tokens_per_batch_size) from "
-        "a bench profile, for engines without adaptive K"
+        "tune",
+        help="a K-per-batch-size table (num_speculative_tokens_per_batch_size) from "
+        "a bench profile, for engines without adaptive K",
     )
     add_tune_arguments(tune)
     tune.set_defaults(func=_cmd_tune)

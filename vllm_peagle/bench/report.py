@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from vllm_peagle.bench.configs import label, ratio_pairs
+from vllm_peagle.bench.configs import ADAPTIVE, fixed_choices, label, ratio_pairs
 from vllm_peagle.bench.stats import aggregate, median, same_round_ratios
 
 
@@ -100,6 +100,17 @@ def summarize(records: Sequence[dict[str, Any]], names: Sequence[str]) -> list[d
         for num, den in ratio_pairs(present):
             values = same_round_ratios(runs, num, den)
             row["ratios"][f"{num}/{den}"] = {"median": median(values), "runs": values}
+        choices = fixed_choices(present)
+        if ADAPTIVE in present and choices:
+            # The best fixed choice is picked on medians; the ratio is then taken within each
+            # repeat, so picking it does not favour whichever run was luckiest.
+            best = max(choices, key=lambda n: row["configs"][n]["output_tok_s"])
+            values = same_round_ratios(runs, ADAPTIVE, best)
+            row["ratios"][f"{ADAPTIVE}/best fixed"] = {
+                "median": median(values),
+                "runs": values,
+                "best": best,
+            }
         if "none" in present:
             plain = row["configs"]["none"]["step_ms"]
             for n in present:
@@ -150,6 +161,11 @@ def _f(value: float | None, spec: str = ".1f") -> str:
     )
 
 
+def _ratio_cell(ratio: dict[str, Any]) -> str:
+    cell = _f(ratio["median"], ".2f") + "×"
+    return f"{cell} ({label(ratio['best'])})" if "best" in ratio else cell
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """Tables per (K, temperature): throughput with same-round ratios, then latency and
     acceptance per configuration."""
@@ -166,7 +182,7 @@ def markdown(doc: dict[str, Any]) -> str:
         for r in group:
             cells = [str(r["concurrency"])]
             cells += [_f(r["configs"][n]["output_tok_s"]) for n in names]
-            cells += [_f(r["ratios"][p]["median"], ".2f") + "×" for p in pairs]
+            cells += [_ratio_cell(r["ratios"][p]) for p in pairs]
             lines.append("| " + " | ".join(cells) + " |")
         lines += [""]
         head = [
@@ -211,6 +227,7 @@ _STYLES = {
     "eagle3": {"marker": "^", "color": "tab:blue"},
     "upstream": {"marker": "x", "color": "tab:orange", "linestyle": "--", "markersize": 9},
     "peagle": {"marker": "o", "color": "tab:red", "markerfacecolor": "none"},
+    "adaptive": {"marker": "*", "color": "tab:green", "markersize": 11},
 }
 
 

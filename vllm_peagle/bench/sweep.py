@@ -51,7 +51,8 @@ class SweepSettings:
     min_requests: int = 4
     """At least this many requests per run (low concurrency would measure too little)."""
     warmup_requests: int = 4
-    """Short requests each server answers before measuring (first-call costs)."""
+    """Requests each server answers before measuring, one at a time (32 tokens) then all at
+    once (8 tokens): first-call costs, and adaptive K's start-up calibration (~18 steps)."""
     seed: int = 0
     """Prompt choice (and per-request sampling seeds with ``request_seeds``)."""
     request_seeds: bool = False
@@ -192,14 +193,15 @@ def run_sweep(
     records: list[dict[str, Any]] = []
 
     def warmup(server: Server) -> None:
-        run_load(
-            server.base_url,
-            server.model,
-            prompts[: settings.warmup_requests],
-            concurrency=max(1, settings.warmup_requests),
-            max_tokens=8,
-            temperature=0.0,
-        )
+        for concurrency, max_tokens in ((1, 32), (max(1, settings.warmup_requests), 8)):
+            run_load(
+                server.base_url,
+                server.model,
+                prompts[: settings.warmup_requests],
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+                temperature=0.0,
+            )
 
     bar = tqdm(total=settings.total_runs(), desc="bench", disable=not progress, unit="run")
     with (
@@ -223,6 +225,20 @@ def run_sweep(
             else:
                 pool.ensure(configs, warmup)
             for temperature in settings.temperatures:
+                # Acceptance changes with the temperature: adaptive K re-learns it (within
+                # tens of steps, tests/test_adaptive_engine.py), which would dominate runs this
+                # short. Every server gets the same discarded warm-up at the new temperature,
+                # so the runs measure steady state.
+                bar.set_description(f"bench K={k} T={temperature}: warm-up")
+                for config in configs:
+                    run_load(
+                        pool.server(config).base_url,
+                        pool.server(config).model,
+                        prompts[: settings.warmup_requests],
+                        concurrency=1,
+                        max_tokens=settings.max_tokens,
+                        temperature=temperature,
+                    )
                 for c in settings.concurrency:
                     batch = prompts[: settings.requests(c)]
                     for repeat in range(settings.repeats):
