@@ -4,9 +4,9 @@
 #   bash scripts/bench_cpu.sh
 #
 # 1. the benchmark target and drafters (cached after the first build);
-# 2. the methods sweep: none / EAGLE-3 / upstream P-EAGLE / ours at K=4 and 7 -> cpu.*;
-# 3. the adaptive sweep: adaptive K (K_max 7) beside no speculation and fixed K 1,2,4,7 in one
+# 2. the adaptive sweep: adaptive K (K_max 7) beside no speculation and fixed K 1,2,4,7 in one
 #    round-robin -> cpu_adaptive.*;
+# 3. the methods sweep: none / EAGLE-3 / upstream P-EAGLE / ours at K=4 and 7 -> cpu.*;
 # 4. the step-time breakdown at K=7, c=1 -> cpu_stepcost.md;
 # 5. benchmarks/RESULTS.md from those files.
 # Override the variables below to size it differently (e.g. REPEATS=1 for a quick look).
@@ -16,16 +16,17 @@ PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks}
 CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32,64}
 TEMPERATURES=${TEMPERATURES:-0,0.7}
-REPEATS=${REPEATS:-3}
-MAX_TOKENS=${MAX_TOKENS:-32}
+REPEATS=${REPEATS:-2}
+ADAPTIVE_REPEATS=${ADAPTIVE_REPEATS:-3}  # adaptive is judged to 3 %: more repeats
+MAX_TOKENS=${MAX_TOKENS:-64}
 COMMON=(--models bench --concurrency "$CONCURRENCY" --temperatures "$TEMPERATURES"
-        --repeats "$REPEATS" --max-tokens "$MAX_TOKENS" --requests-per-client 1 --out-dir "$OUT")
+        --max-tokens "$MAX_TOKENS" --requests-per-client 1 --out-dir "$OUT")
 
 "$PYTHON" scripts/build_bench_models.py
-"$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 4,7 \
-    --configs none,eagle3,upstream,peagle --name cpu
-"$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 7 \
+"$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 7 --repeats "$ADAPTIVE_REPEATS" \
     --configs none,fixed:1,fixed:2,fixed:4,fixed:7,adaptive --name cpu_adaptive
+"$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 4,7 --repeats "$REPEATS" \
+    --configs none,eagle3,upstream,peagle --name cpu
 "$PYTHON" -m vllm_peagle.bench.stepcost --models bench -k 7 --concurrency 1 \
     --max-tokens "$MAX_TOKENS" --requests 2 | tee "$OUT/cpu_stepcost.md.tmp"
 mv "$OUT/cpu_stepcost.md.tmp" "$OUT/cpu_stepcost.md"

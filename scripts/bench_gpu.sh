@@ -8,8 +8,9 @@
 # drafters with our own scripts on the CPU (cached; a few minutes the first time: the
 # target trains on 2 threads for determinism),
 # then runs none / EAGLE-3 / upstream P-EAGLE / ours, K in {4,7}, concurrency 1..64,
-# greedy and T=0.7, 2 interleaved repeats, 96 tokens: meant to fit in about 8 minutes (not yet
-# run on a GPU: size it with the first run and its printed timings);
+# greedy and T=0.7, 2 interleaved repeats, 96 tokens, then adaptive K beside fixed K 1,2,4,7,
+# and writes $OUT/RESULTS.md: meant to fit in about 8 minutes (not yet run on a GPU: size it
+# with the first run and its printed timings);
 # override any of the variables below to size it differently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,19 +54,17 @@ built=$(date +%s)
 echo "bench models ready in $(( built - start )) s"
 
 mkdir -p "$OUT"
-"$PYTHON" -m vllm_peagle.cli bench \
-    --models bench \
-    -k "$KS" \
-    --concurrency "$CONCURRENCY" \
-    --temperatures "$TEMPERATURES" \
-    --repeats "$REPEATS" \
-    --max-tokens "$MAX_TOKENS" \
-    --serve-args "$SERVE_ARGS" \
-    --request-seeds \
-    --start-one-at-a-time \
-    --all-k-at-once \
-    --start-timeout 600 \
-    --out-dir "$OUT" \
-    --name results \
-    2>&1 | tee "$OUT/bench.log"
-echo "sweep took $(( $(date +%s) - built )) s; results in $OUT/results.{json,md,_throughput.png}"
+sweep() {  # the settings both sweeps share; extra arguments pick K, configurations and name
+    "$PYTHON" -m vllm_peagle.cli bench --models bench --concurrency "$CONCURRENCY" \
+        --temperatures "$TEMPERATURES" --repeats "$REPEATS" --max-tokens "$MAX_TOKENS" \
+        --serve-args "$SERVE_ARGS" --request-seeds --start-one-at-a-time --start-timeout 600 \
+        --out-dir "$OUT" "$@"
+}
+sweep -k "$KS" --all-k-at-once --name gpu 2>&1 | tee "$OUT/bench.log"
+methods_done=$(date +%s)
+echo "methods sweep took $(( methods_done - built )) s"
+# Adaptive K beside no speculation and every fixed K, one round-robin (issue #6's table).
+sweep -k 7 --configs none,fixed:1,fixed:2,fixed:4,fixed:7,adaptive --name gpu_adaptive \
+    2>&1 | tee "$OUT/bench_adaptive.log"
+echo "adaptive sweep took $(( $(date +%s) - methods_done )) s"
+"$PYTHON" -m vllm_peagle.bench.results --dir "$OUT" --prefix gpu

@@ -54,7 +54,9 @@ def test_acceptance_estimate_forgets_with_its_half_life():
 def true_seconds(c, batch, k, verified=None):
     """A step of ``batch`` requests verifying ``verified`` drafts each and drafting ``k``."""
     verified = k if verified is None else verified
-    return c[0] + c[1] * batch * (1 + verified) + (c[2] + c[3] * batch) * (k > 0)
+    tokens = batch * (1 + verified)
+    drafter_per_token = c[4] if len(c) > 4 else 0.0
+    return c[0] + c[1] * tokens + (c[2] + c[3] * batch + drafter_per_token * tokens) * (k > 0)
 
 
 def test_step_cost_model_recovers_a_linear_cost():
@@ -69,13 +71,14 @@ def test_step_cost_model_recovers_a_linear_cost():
         assert model.predict(batch, k) == pytest.approx(true_seconds(costs, batch, k), rel=0.05)
 
 
-def test_step_cost_model_separates_per_request_drafting_cost():
-    """Drafting at batch 16 costs more than at batch 1 (all K_max slots of every request run),
-    even though K is the same: calibrated at batch 1 and seen at 16, the model predicts 8."""
-    costs = 8e-3, 1e-4, 4e-3, 3e-4
+def test_step_cost_model_separates_drafting_from_verification():
+    """Drafting at batch 16 costs more than at batch 1 even at the same K (every K_max slot of
+    every request runs, and the drafter re-reads the accepted tokens): seen at batch 1 and 16,
+    the model predicts batch 8 for K = 0, 1 and 4."""
+    costs = 8e-3, 1e-4, 4e-3, 3e-4, 5e-5
     model = StepCostModel(half_life_steps=1e9)
     for _ in range(10):
-        for batch, k in [(1, 0), (1, 1), (1, 4), (16, 1), (16, 4)]:
+        for batch, k in itertools.product((1, 16), (0, 1, 4)):
             model.observe(batch * (1 + k), batch, k > 0, true_seconds(costs, batch, k))
     for batch, k in [(8, 0), (8, 1), (8, 4)]:
         assert model.predict(batch, k) == pytest.approx(true_seconds(costs, batch, k), rel=0.02)

@@ -249,3 +249,32 @@ def test_bench_smoke_on_tiny_models(local_models, trained_peagle, tmp_path):
     peagle_runs = [r for r in runs if r["config"] == "peagle"]
     assert all(r["num_drafts"] > 0 for r in peagle_runs)
     assert "P-EAGLE (ours) tok/s" in (tmp_path / "smoke.md").read_text()
+
+
+def test_results_page_is_computed_from_the_json(tmp_path):
+    """RESULTS.md: verdicts against the issue targets follow the measured ratios."""
+    from vllm_peagle.bench.results import render
+
+    runs = []
+    for repeat in (0, 1):
+        for c, (plain, k1, k4, adaptive) in {
+            1: (100, 150, 300, 297),
+            16: (400, 300, 250, 360),
+        }.items():
+            runs += [
+                _run("none", repeat, plain, c=c),
+                _run("fixed:1", repeat, k1, 10, (5, 0, 0, 0), c=c),
+                _run("fixed:4", repeat, k4, 10, (8, 6, 4, 2), c=c),
+                _run("adaptive", repeat, adaptive, 10, (8, 6, 4, 2), c=c),
+            ]
+    names = ["none", "fixed:1", "fixed:4", "adaptive"]
+    doc = document(runs, names, {"configs": names}, {}, {}, ["bench", "--name", "x"])
+    doc["provenance"]["sweep_seconds"] = 12.0
+    (tmp_path / "cpu_adaptive.json").write_text(json.dumps(doc))
+    page = render(tmp_path)
+    assert "vllm-peagle bench --name x" in page
+    assert "| 1 | 100.0 | 150.0 | 300.0 | 297.0 | 0.99× vs P-EAGLE (ours, K=4) |" in page
+    assert "| 16 | 400.0 | 300.0 | 250.0 | 360.0 | 0.90× vs no speculation |" in page
+    assert "Worst case over every concurrency and temperature: **0.90×** (c=16" in page
+    assert "at every concurrency: **missed** (met in 1 of 2)" in page
+    assert "within 3 % of the best fixed K at concurrency 1: **met**" in page

@@ -86,18 +86,18 @@ def expected_tokens(conditional_acceptance: np.ndarray, k: int) -> float:
 class StepCostModel:
     """Seconds per engine step as a linear function of what the step runs.
 
-    ``T = c0 + c1 * tokens + c2 * [drafting] + c3 * batch * [drafting]`` where ``tokens`` is
-    every token the target processes (prompt chunks, sampled tokens and drafts under
-    verification), ``[drafting]`` is 1 when the drafter runs after the step and ``batch`` is the
-    number of scheduled requests. A decoding step of batch B at K thus costs
-    ``c0 + c1·B·(1+K) + (c2 + c3·B)·[K>0]``. The drafting term grows with the batch, not with
-    K: the P-EAGLE drafter lays out all ``K_max`` slots of every request whatever the step's K
-    (:mod:`vllm_peagle.proposer`), so a smaller K saves verification, not drafting. Fitted by
-    decayed ridge regression, so it is the cost on whatever machine the engine runs on, CPU or
-    GPU, and follows load changes.
+    ``T = c0 + c1·tokens + [drafting]·(c2 + c3·batch + c4·tokens)``, where ``tokens`` is every
+    token the target processes (prompt chunks, sampled tokens and drafts under
+    verification), ``batch`` the number of scheduled requests and ``[drafting]`` is 1 when the
+    drafter runs after the step. The drafting terms follow what the drafter processes: the
+    step's accepted tokens (so prompt chunks too: the drafter prefills them) plus ``K_max``
+    slots per request, whatever the step's K (the P-EAGLE drafter lays out every slot,
+    :mod:`vllm_peagle.proposer`). A decoding step of batch B at K thus costs
+    ``c0 + c1·B·(1+K) + [K>0]·(c2 + c3·B + c4·B·(1+K))``. Fitted by decayed ridge regression,
+    so it is the cost on whatever machine the engine runs on, CPU or GPU, and follows load.
     """
 
-    num_features = 4
+    num_features = 5
     trusted_after = 16
     """Observations after which predictions are used to clip outliers."""
     outlier_factor = 3.0
@@ -114,7 +114,7 @@ class StepCostModel:
     @staticmethod
     def features(num_tokens: float, batch_size: float, drafting: bool) -> np.ndarray:
         drafts = 1.0 if drafting else 0.0
-        return np.array([1.0, num_tokens, drafts, batch_size * drafts])
+        return np.array([1.0, num_tokens, drafts, batch_size * drafts, num_tokens * drafts])
 
     def observe(self, num_tokens: int, batch_size: int, drafting: bool, seconds: float) -> None:
         x = self.features(num_tokens, batch_size, drafting)

@@ -110,8 +110,9 @@ def rate_table(
 
 def step_seconds(cost: StepCostModel, batch: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Predicted seconds of decoding steps of ``batch`` requests at ``k`` drafts (broadcast)."""
-    c0, c1, c2, c3 = cost.coefficients()
-    return c0 + c1 * batch * (1 + k) + (c2 + c3 * batch) * (k > 0)
+    c0, c1, c2, c3, c4 = cost.coefficients()
+    tokens = batch * (1 + k)
+    return c0 + c1 * tokens + (c2 + c3 * batch + c4 * tokens) * (k > 0)
 
 
 def _rates(gains: np.ndarray, seconds: np.ndarray) -> np.ndarray:
