@@ -232,7 +232,8 @@ def test_probes_are_spaced_to_cost_the_budget():
     assert set(late) == {0, 4}, late
     plain = true_seconds(CPU_COSTS, 1, 0)
     overhead = (true_seconds(CPU_COSTS, 1, 4) - plain) / plain
-    interval = max(config.probe_interval_steps, math.ceil(overhead / config.probe_budget))
+    periods = max(1, math.ceil(overhead / config.probe_budget / config.probe_interval_steps))
+    interval = config.probe_interval_steps * periods
     assert late.count(4) == pytest.approx(len(late) / interval, abs=1.5), late
 
 
@@ -266,3 +267,21 @@ def test_adaptive_settings():
     assert AdaptiveConfig.from_setting(None).enabled
     assert not AdaptiveConfig.from_setting(False).enabled
     assert AdaptiveConfig.from_setting({"min_k": 1, "hysteresis": 0.1}).min_k == 1
+
+
+def test_step_cost_model_never_learns_that_drafting_saves_time():
+    """Plain steps measured at large batches (a convex cost), drafting steps only at small
+    ones: plain least squares trades the regimes off with a negative drafting slope, which
+    would make speculation look cheaper than plain decoding. Slopes are held >= 0."""
+    model = StepCostModel(half_life_steps=1e9)
+    for batch in (1, 2, 4, 8, 16, 32, 64):
+        model.observe(batch, batch, False, 0.010 + 2e-6 * batch**2)
+    for batch, k in itertools.product((1, 2), (1, 3, 7)):
+        tokens = batch * (1 + k)
+        model.observe(tokens, batch, True, 0.010 + 2e-6 * tokens**2 + 0.004)
+    unconstrained = np.linalg.solve(model.gram + np.eye(5) * 1e-12, model.moment)
+    assert (unconstrained[1:] < 0).any()  # the trap is real
+    assert (model.coefficients()[1:] >= 0).all()
+    for batch in (1, 8, 64):
+        plain = model.predict(batch, 0)
+        assert all(model.predict(batch, k) > plain for k in range(1, 8))

@@ -83,6 +83,27 @@ def expected_tokens(conditional_acceptance: np.ndarray, k: int) -> float:
     return 1.0 + float(np.cumprod(conditional_acceptance[:k]).sum())
 
 
+def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """Least squares from normal equations with every coefficient but the intercept >= 0.
+
+    More tokens, more requests or running the drafter never make a step cheaper; a negative
+    coefficient is the fit trading one regime off against another, and would let the policy
+    believe drafting saves time. Active set: drop the most negative term and refit, at most
+    once per term.
+    """
+    free = np.ones(len(moment), dtype=bool)
+    coefficients = np.zeros(len(moment))
+    for _ in range(len(moment)):
+        coefficients[:] = 0.0
+        index = np.flatnonzero(free)
+        coefficients[index] = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
+        negative = np.flatnonzero(coefficients[1:] < 0) + 1
+        if not len(negative):
+            break
+        free[negative[np.argmin(coefficients[negative])]] = False
+    return coefficients
+
+
 class StepCostModel:
     """Seconds per engine step as a linear function of what the step runs.
 
@@ -93,8 +114,11 @@ class StepCostModel:
     step's accepted tokens (so prompt chunks too: the drafter prefills them) plus ``K_max``
     slots per request, whatever the step's K (the P-EAGLE drafter lays out every slot,
     :mod:`vllm_peagle.proposer`). A decoding step of batch B at K thus costs
-    ``c0 + c1·B·(1+K) + [K>0]·(c2 + c3·B + c4·B·(1+K))``. Fitted by decayed ridge regression,
-    so it is the cost on whatever machine the engine runs on, CPU or GPU, and follows load.
+    ``c0 + c1·B·(1+K) + [K>0]·(c2 + c3·B + c4·B·(1+K))``. Fitted by decayed ridge regression
+    with non-negative slopes, on decoding steps only (the scheduler leaves out steps with
+    prompt chunks: their thousands of tokens would dominate a fit that is only ever asked about
+    decoding steps), so it is the cost on whatever machine the engine runs on, CPU or GPU, and
+    follows load.
     """
 
     num_features = 5
@@ -136,7 +160,7 @@ class StepCostModel:
             # without biasing well-measured coefficients of very different magnitudes.
             diagonal = np.diag(self.gram)
             regularised = self.gram + np.diag(self.ridge * diagonal + 1e-12)
-            self._coefficients = np.linalg.solve(regularised, self.moment)
+            self._coefficients = _nonnegative_solve(regularised, self.moment)
         return self._coefficients
 
     def predict(self, batch_size: int, k: int) -> float:

@@ -135,7 +135,8 @@ def probe_plan(
     drafter could use. Where even the optimistic case loses, the probe K is the policy's K
     (no probe: it costs throughput and could teach nothing that changes the choice). Probes
     are spaced so that their extra time, ``T(B, K_probe) - T(B, K)`` per probe (the drafting of
-    one step plus the verification of the next), stays within ``budget`` of the step time.
+    one step plus the verification of the next), stays within ``budget`` of the step time,
+    in whole multiples of ``min_interval`` steps.
     """
     batch = np.maximum(np.arange(len(policy_k)), 1)[:, None]
     k = np.arange(max_k + 1)[None, :]
@@ -151,8 +152,9 @@ def probe_plan(
     probe_k = np.where(worth, longer, policy_k)
     extra = step_seconds(cost, batch[:, 0], probe_k) - current_seconds
     overhead = np.maximum(extra, 0) / np.maximum(current_seconds, 1e-12)
-    interval = np.maximum(min_interval, np.ceil(overhead / max(budget, 1e-6))).astype(int)
-    return probe_k, interval
+    # Whole multiples of min_interval, so only every min_interval-th step needs a look.
+    periods = np.maximum(1, np.ceil(overhead / max(budget, 1e-6) / min_interval))
+    return probe_k, (min_interval * periods).astype(int)
 
 
 def best_k(rates: np.ndarray, min_k: int = 0) -> np.ndarray:
@@ -179,6 +181,7 @@ class KController:
         """The policy's K per batch size (index 0 unused)."""
         self.lookup = list(self.policy_k)
         """What the next step uses: the policy's K, or a calibration / probe override."""
+        self._lookup_is_policy = True
         self.probe_k = np.full(max_batch_size + 1, max_k)
         """The K of a probe step per batch size (the policy's K where probing cannot pay)."""
         self.probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
@@ -204,16 +207,25 @@ class KController:
         return self.decode_steps < len(self.calibration)
 
     def before_step(self) -> None:
-        """Set ``lookup`` for the step about to be scheduled."""
+        """Set ``lookup`` for the step about to be scheduled (runs before every engine step,
+        so the table is rewritten only when it changes)."""
         step = self.decode_steps
         if self.calibrating:
-            forced = self.calibration[step]
-            self.lookup[:] = [forced] * len(self.lookup)
+            self.lookup[:] = [self.calibration[step]] * len(self.lookup)
+            self._lookup_is_policy = False
             return
         if step % self.config.update_interval_steps == 0:
             self._update_policy()
-        probing = step % self.probe_interval == 0
-        self.lookup[:] = np.where(probing, self.probe_k, self.policy_k).tolist()
+        # Probe intervals are multiples of probe_interval_steps: no other step can probe.
+        if step % self.config.probe_interval_steps == 0:
+            probing = step % self.probe_interval == 0
+            if probing.any():
+                self.lookup[:] = np.where(probing, self.probe_k, self.policy_k).tolist()
+                self._lookup_is_policy = False
+                return
+        if not self._lookup_is_policy:
+            self.lookup[:] = self.policy_k
+            self._lookup_is_policy = True
 
     def observe_step(
         self,
@@ -250,6 +262,7 @@ class KController:
             self.changes += 1
             current = np.where(switch, candidate, current)
             self.policy_k = current.tolist()
+            self._lookup_is_policy = False
         self.probe_k, self.probe_interval = probe_plan(
             alphas,
             self.cost,

@@ -94,14 +94,20 @@ class AdaptiveKMixin:
         index = model_runner_output.req_id_to_index
         invalid = scheduler_output.num_invalid_spec_tokens or {}
         verifications = []
-        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        # A step with prompt chunks is not a decoding step: its time is left out of the cost
+        # model (see StepCostModel); its verifications still count.
+        decoding = num_tokens == batch_size + sum(len(d) for d in spec_tokens.values())
+        for req_id, drafts in spec_tokens.items():
             row = index.get(req_id)
             if row is None or row >= len(sampled) or not len(sampled[row]):
                 continue
             num_drafts = len(drafts) - invalid.get(req_id, 0)
             if num_drafts > 0:
                 verifications.append((num_drafts, len(sampled[row]) - 1))
-        self.k_controller.observe_step(num_tokens, batch_size, drafted_k, seconds, verifications)
+        self.k_controller.observe_step(
+            num_tokens, batch_size, drafted_k, seconds if decoding else None, verifications
+        )
         if self._trace is not None:
             verified = sum(d for d, _ in verifications)
             self._trace.write(f"{num_tokens} {batch_size} {drafted_k} {verified} {seconds:.6f}\n")

@@ -228,6 +228,16 @@ def render(directory: Path, prefix: str = "cpu") -> str:
         "state (how fast it re-adapts is tested in `tests/test_adaptive_engine.py`).",
         "",
     ]
+    lines += [
+        "How to read these numbers: on this CPU a target forward is compute-bound, so verifying "
+        "K+1 tokens per request costs nearly K+1 plain steps once the batch is large, and "
+        "speculation of any method loses at high concurrency; on a GPU at small batches the "
+        "forward is memory-bound and verification is nearly free, which is where P-EAGLE's "
+        "published gains come from. Output lengths are short (CPU time), so at high "
+        "concurrency and high acceptance a run is mostly prompt processing, which for the "
+        "speculative methods includes the drafter's pass over every prompt.",
+        "",
+    ]
     lines += build_section(build)
     if methods is not None:
         lines += methods_section(methods)
