@@ -28,6 +28,6 @@ COMMON=(--models bench --concurrency "$CONCURRENCY" --temperatures "$TEMPERATURE
 "$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 4,7 --repeats "$REPEATS" \
     --configs none,eagle3,upstream,peagle --name cpu
 "$PYTHON" -m vllm_peagle.bench.stepcost --models bench -k 7 --concurrency 1 \
-    --max-tokens "$MAX_TOKENS" --requests 2 | tee "$OUT/cpu_stepcost.md.tmp"
+    --max-tokens "$MAX_TOKENS" --requests 2 | grep -E '^(\||K=[0-9])' | tee "$OUT/cpu_stepcost.md.tmp"
 mv "$OUT/cpu_stepcost.md.tmp" "$OUT/cpu_stepcost.md"
 "$PYTHON" -m vllm_peagle.bench.results --dir "$OUT"

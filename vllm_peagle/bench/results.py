@@ -248,7 +248,10 @@ def render(directory: Path, prefix: str = "cpu") -> str:
         lines += [
             "## Where the time of a step goes (c=1)",
             "",
-            stepcost.read_text().strip(),
+            # Only the tables: vLLM's own log lines can share the stream it was captured from.
+            "\n".join(
+                line for line in stepcost.read_text().splitlines() if line.startswith(("|", "K="))
+            ),
             "",
         ]
     if prefix == "cpu":
