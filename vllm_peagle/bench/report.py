@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from vllm_peagle.bench.configs import ADAPTIVE, fixed_choices, label, ratio_pairs
+from vllm_peagle.bench.configs import ADAPTIVE, fixed_choices, fixed_k, label, ratio_pairs
 from vllm_peagle.bench.stats import aggregate, median, same_round_ratios
 
 
@@ -233,7 +233,22 @@ _STYLES = {
 
 def _style(name: str) -> dict[str, Any]:
     # Upstream and ours often coincide (same checkpoint): dashed crosses over open circles.
+    k = fixed_k(name)
+    if k is not None:  # fixed K: diamonds, no green (adaptive's colour)
+        return {"marker": "D", "color": _FIXED_COLOURS[(k - 1) % len(_FIXED_COLOURS)]}
     return _STYLES.get(name, {"marker": "D"})
+
+
+_FIXED_COLOURS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:brown",
+    "tab:red",
+    "tab:pink",
+    "tab:olive",
+    "tab:purple",
+    "tab:cyan",
+)
 
 
 def plot(doc: dict[str, Any], out_dir: Path, stem: str) -> list[Path]:

@@ -250,8 +250,10 @@ def render(directory: Path, prefix: str = "cpu") -> str:
             "",
             # Only the tables: vLLM's own log lines can share the stream it was captured from.
             "\n".join(
-                line for line in stepcost.read_text().splitlines() if line.startswith(("|", "K="))
-            ),
+                line if line.startswith("|") else f"\n{line}\n"
+                for line in stepcost.read_text().splitlines()
+                if line.startswith(("|", "K="))
+            ).strip(),
             "",
         ]
     if prefix == "cpu":
