@@ -102,10 +102,20 @@ def rate_table(
     Row 0 is unused (no batch of zero requests); it is computed for B = 1 so indexing by batch
     size stays direct.
     """
-    gains = np.array([expected_tokens(conditional_acceptance, k) for k in range(max_k + 1)])
+    gains = expected_tokens_table(conditional_acceptance, max_k)
+    return _rates(gains[None, :], seconds_table(cost, max_batch_size, max_k))
+
+
+def expected_tokens_table(conditional_acceptance: np.ndarray, max_k: int) -> np.ndarray:
+    """``E[tokens | K]`` for K = 0..max_k (see :func:`expected_tokens`)."""
+    survive = np.cumprod(conditional_acceptance[:max_k])
+    return 1.0 + np.concatenate([[0.0], np.cumsum(survive)])
+
+
+def seconds_table(cost: StepCostModel, max_batch_size: int, max_k: int) -> np.ndarray:
+    """Predicted step seconds for B = 0..max_batch_size (rows, B = 0 as 1), K = 0..max_k."""
     batch = np.maximum(np.arange(max_batch_size + 1), 1)[:, None]
-    k = np.arange(max_k + 1)[None, :]
-    return _rates(gains[None, :], step_seconds(cost, batch, k))
+    return step_seconds(cost, batch, np.arange(max_k + 1)[None, :])
 
 
 def step_seconds(cost: StepCostModel, batch: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -122,35 +132,36 @@ def _rates(gains: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 
 def probe_plan(
     conditional_acceptance: np.ndarray,
-    cost: StepCostModel,
+    seconds: np.ndarray,
     policy_k: np.ndarray,
-    max_k: int,
     budget: float,
     min_interval: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per batch size, the K of a probe step and the steps between probes.
 
-    A probe drafts the longer K that would win if every position past the policy's K were
-    always accepted (the optimistic case), so one probe measures all the positions a better
-    drafter could use. Where even the optimistic case loses, the probe K is the policy's K
-    (no probe: it costs throughput and could teach nothing that changes the choice). Probes
-    are spaced so that their extra time, ``T(B, K_probe) - T(B, K)`` per probe (the drafting of
-    one step plus the verification of the next), stays within ``budget`` of the step time,
-    in whole multiples of ``min_interval`` steps.
+    ``seconds`` is :func:`seconds_table` (rows: batch size, columns: K = 0..max_k). A probe
+    drafts the longer K that would win if every position past the policy's K were always
+    accepted (the optimistic case), so one probe measures all the positions a better drafter
+    could use. Where even the optimistic case loses, the probe K is the policy's K (no probe:
+    it costs throughput and could teach nothing that changes the choice). Probes are spaced so
+    that their extra time, ``T(B, K_probe) - T(B, K)`` per probe (the drafting of one step
+    plus the verification of the next), stays within ``budget`` of the step time, in whole
+    multiples of ``min_interval`` steps.
     """
-    batch = np.maximum(np.arange(len(policy_k)), 1)[:, None]
+    max_k = seconds.shape[1] - 1
+    rows = np.arange(len(policy_k))
     k = np.arange(max_k + 1)[None, :]
-    survive = np.concatenate([[1.0], np.cumprod(conditional_acceptance)])
-    gains = 1.0 + np.concatenate([[0.0], np.cumsum(survive[1:])])  # E[tokens | K], K=0..max
+    survive = np.concatenate([[1.0], np.cumprod(conditional_acceptance[:max_k])])
+    gains = expected_tokens_table(conditional_acceptance, max_k)
     policy = policy_k[:, None]
     optimistic = gains[policy] + survive[policy] * np.maximum(k - policy, 0)
-    rates = _rates(np.where(k > policy, optimistic, -np.inf), step_seconds(cost, batch, k))
-    current_seconds = step_seconds(cost, batch[:, 0], policy_k)
+    rates = _rates(np.where(k > policy, optimistic, -np.inf), seconds)
+    current_seconds = seconds[rows, policy_k]
     current = _rates(gains[policy_k], current_seconds)
     longer = np.argmax(rates, axis=1)
-    worth = (policy_k < max_k) & (rates[np.arange(len(policy_k)), longer] > current)
+    worth = (policy_k < max_k) & (rates[rows, longer] > current)
     probe_k = np.where(worth, longer, policy_k)
-    extra = step_seconds(cost, batch[:, 0], probe_k) - current_seconds
+    extra = seconds[rows, probe_k] - current_seconds
     overhead = np.maximum(extra, 0) / np.maximum(current_seconds, 1e-12)
     # Whole multiples of min_interval, so only every min_interval-th step needs a look.
     periods = np.maximum(1, np.ceil(overhead / max(budget, 1e-6) / min_interval))
@@ -251,7 +262,8 @@ class KController:
 
     def _update_policy(self) -> None:
         alphas = self.acceptance.conditional()
-        rates = rate_table(alphas, self.cost, self.max_batch_size, self.max_k)
+        seconds = seconds_table(self.cost, self.max_batch_size, self.max_k)
+        rates = _rates(expected_tokens_table(alphas, self.max_k)[None, :], seconds)
         current = np.array(self.policy_k)
         candidate = best_k(rates, self.min_k)
         rows = np.arange(len(current))
@@ -265,9 +277,8 @@ class KController:
             self._lookup_is_policy = False
         self.probe_k, self.probe_interval = probe_plan(
             alphas,
-            self.cost,
+            seconds,
             current,
-            self.max_k,
             self.config.probe_budget,
             self.config.probe_interval_steps,
         )
