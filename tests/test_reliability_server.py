@@ -34,6 +34,7 @@ ABORT_EVERY = 10  # one client in ten disconnects mid-stream
 REQUEST_TIMEOUT_S = 180.0
 BATCH_TIMEOUT_S = 480.0
 NUM_PREEMPT_REQUESTS = 16
+PREEMPT_OUTPUT_TOKENS = 192
 STARTUP_TIMEOUT_S = 600.0  # ~60 s on an idle 2-core machine; generous for shared ones
 
 
@@ -78,7 +79,8 @@ def tokenizer(local_models):
 
 
 # A KV cache of 18 blocks of 32 tokens: one max_model_len request plus the drafter's
-# lookahead fits, 16 requests growing to ~6 blocks each do not.
+# lookahead fits; any two requests that grow to PREEMPT_OUTPUT_TOKENS past their prompt
+# (100+ tokens) need 20+ blocks, so preemption does not depend on how requests overlap.
 SMALL_KV = ("--block-size", "32", "--num-gpu-blocks-override", "18")
 
 
@@ -251,7 +253,7 @@ def test_aborted_streams_free_their_kv_blocks(servers, load, plain_outputs):
 
 def test_preemption_and_recompute_keep_outputs(servers, tokenizer):
     requests = load_requests(tokenizer, NUM_PREEMPT_REQUESTS, seed=3, prompt_len=(100, 150))
-    requests = [Request(r.prompt, 48, ignore_eos=True) for r in requests]
+    requests = [Request(r.prompt, PREEMPT_OUTPUT_TOKENS, ignore_eos=True) for r in requests]
     small, proc = servers["small"], servers["procs"]["small"]
     wait_healthy(proc, int(small.url.rsplit(":", 1)[1]), timeout=STARTUP_TIMEOUT_S)
     ours = asyncio.run(run_streams(small, requests))
