@@ -82,7 +82,13 @@ def spec_decode_counters(llm: LLM) -> SpecDecodeCounters:
 
 def _install_forward_counters(worker: Any) -> bool:
     runner = worker.model_runner
-    counts = {"target": 0, "drafter": 0, "rejection_sampler": 0}
+    counts = {
+        "target": 0,
+        "drafter": 0,
+        "rejection_sampler": 0,
+        "proposer_calls": 0,
+        "draft_fetches": 0,
+    }
 
     def counter(key: str):
         def hook(module: Any, args: Any, output: Any) -> None:
@@ -95,6 +101,20 @@ def _install_forward_counters(worker: Any) -> bool:
     drafter = getattr(runner, "drafter", None)
     if drafter is not None and hasattr(drafter, "model"):
         drafter.model.register_forward_hook(counter("drafter"))
+        propose = drafter.propose
+
+        def counted_propose(*args: Any, **kwargs: Any) -> Any:
+            counts["proposer_calls"] += 1
+            return propose(*args, **kwargs)
+
+        drafter.propose = counted_propose
+        take_drafts = runner.take_draft_token_ids
+
+        def counted_take_drafts() -> Any:
+            counts["draft_fetches"] += 1
+            return take_drafts()
+
+        runner.take_draft_token_ids = counted_take_drafts
     rejection_sampler = getattr(runner, "rejection_sampler", None)
     if rejection_sampler is not None:
         rejection_sampler.register_forward_hook(counter("rejection_sampler"))
@@ -113,8 +133,8 @@ def install_forward_counters(llm: LLM) -> None:
 
 
 def read_forward_counters(llm: LLM) -> list[dict[str, int]]:
-    """Target, drafter and rejection-sampler passes per worker since the last read (then
-    reset)."""
+    """Target, drafter and rejection-sampler passes, calls into the proposer and fetches of
+    drafts by the engine core, per worker since the last read (then reset)."""
     return llm.collective_rpc(_read_forward_counters)
 
 

