@@ -1,0 +1,97 @@
+"""Is a target forward slower in a speculative engine on steps that draft nothing?
+
+    python scripts/profile_k0_forward.py [--rounds 6] [--max-tokens 1]
+
+Builds two offline engines in one process on the benchmark target: plain decoding, and ours
+with K fixed at 0 for every batch size (no drafter forward, nothing verified). It then runs the
+same prompts one request at a time on each, alternating which goes first, and prints the
+target forward's seconds per engine (a forward hook) and their ratio. ``--max-tokens 1``
+measures prompt processing alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+
+def _install_timer(worker: Any) -> bool:
+    started: list[float] = []
+    worker._k0_forward_seconds = [0.0]
+    model = worker.model_runner.model
+    model.register_forward_pre_hook(lambda m, a: started.append(time.perf_counter()))
+
+    def stop(m: Any, a: Any, o: Any) -> None:
+        worker._k0_forward_seconds[0] += time.perf_counter() - started.pop()
+
+    model.register_forward_hook(stop)
+    return True
+
+
+def _take_seconds(worker: Any) -> float:
+    seconds = worker._k0_forward_seconds[0]
+    worker._k0_forward_seconds[0] = 0.0
+    return seconds
+
+
+def main() -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both engines in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_peagle.bench.sweep import bench_prompts
+    from vllm_peagle.bench.target import ensure_bench_models
+    from vllm_peagle.plugin import register
+
+    register()
+    models = ensure_bench_models()
+    k0 = {
+        "method": "peagle",
+        "model": str(models.peagle),
+        "num_speculative_tokens": 7,
+        "adaptive": False,
+        "num_speculative_tokens_per_batch_size": [[1, 256, 0]],
+    }
+    engines = {
+        name: LLM(
+            str(models.target),
+            speculative_config=spec,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=1024,
+            max_num_seqs=1,
+            gpu_memory_utilization=0.2,
+            seed=0,
+        )
+        for name, spec in (("plain", None), ("peagle K=0", k0))
+    }
+    prompts = bench_prompts(args.prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    for llm in engines.values():
+        llm.collective_rpc(_install_timer)
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up
+        llm.collective_rpc(_take_seconds)
+    totals = dict.fromkeys(engines, 0.0)
+    for round_index in range(args.rounds):
+        order = list(engines) if round_index % 2 == 0 else list(engines)[::-1]
+        for name in order:
+            for prompt in prompts:
+                engines[name].generate([prompt], params, use_tqdm=False)
+            [seconds] = engines[name].collective_rpc(_take_seconds)
+            totals[name] += seconds
+    for name, seconds in totals.items():
+        print(f"{name}: target forward {seconds:.3f} s")
+    print(f"peagle K=0 / plain: {totals['peagle K=0'] / totals['plain']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
