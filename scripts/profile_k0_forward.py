@@ -1,10 +1,11 @@
 """Is a target forward slower in a speculative engine on steps that draft nothing?
 
-    python scripts/profile_k0_forward.py [--rounds 6] [--max-tokens 1]
+    python scripts/profile_k0_forward.py [--rounds 6] [--max-tokens 1] [--method upstream]
 
 Builds two offline engines in one process on the benchmark target: plain decoding, and ours
 with K fixed at 0 for every batch size (no drafter forward, nothing verified). It then runs the
-same prompts one request at a time on each, alternating which goes first, and prints the
+same prompts one request at a time on each (``--method upstream``: stock vLLM's P-EAGLE path
+on the same checkpoint instead of ours), alternating which goes first, and prints the
 target forward's seconds per engine (a forward hook) and their ratio. ``--max-tokens 1``
 measures prompt processing alone.
 """
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--method", choices=["peagle", "upstream"], default="peagle")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -54,11 +56,13 @@ def main() -> None:
 
     register()
     models = ensure_bench_models()
+    method = {"peagle": {"method": "peagle", "adaptive": False}}.get(
+        args.method, {"method": "eagle3", "parallel_drafting": True}
+    )
     k0 = {
-        "method": "peagle",
+        **method,
         "model": str(models.peagle),
         "num_speculative_tokens": 7,
-        "adaptive": False,
         "num_speculative_tokens_per_batch_size": [[1, 256, 0]],
     }
     engines = {
@@ -72,7 +76,7 @@ def main() -> None:
             gpu_memory_utilization=0.2,
             seed=0,
         )
-        for name, spec in (("plain", None), ("peagle K=0", k0))
+        for name, spec in (("plain", None), (f"{args.method} K=0", k0))
     }
     prompts = bench_prompts(args.prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -90,7 +94,8 @@ def main() -> None:
             totals[name] += seconds
     for name, seconds in totals.items():
         print(f"{name}: target forward {seconds:.3f} s")
-    print(f"peagle K=0 / plain: {totals['peagle K=0'] / totals['plain']:.2f}")
+    name = f"{args.method} K=0"
+    print(f"{name} / plain: {totals[name] / totals['plain']:.2f}")
 
 
 if __name__ == "__main__":
