@@ -91,6 +91,19 @@ SUPPORTED_VLLM_TEXT = ">=0.32,<0.34"
 _PATCHED_MARK = "__vllm_peagle_patched__"
 
 
+def _replace_method(
+    owner: Any, name: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """``owner.name = make_wrapper(original)``, once: a second call finds the mark and leaves
+    the wrapper in place (plugins register in every process, sometimes twice)."""
+    original = getattr(owner, name)
+    if getattr(original, _PATCHED_MARK, False):
+        return
+    wrapper = functools.wraps(original)(make_wrapper(original))
+    setattr(wrapper, _PATCHED_MARK, True)
+    setattr(owner, name, wrapper)
+
+
 def vllm_version() -> str:
     """The installed vLLM's version, read without importing vllm."""
     from importlib.metadata import PackageNotFoundError, version
@@ -264,19 +277,16 @@ def _check_drafter_tokenizer(drafter: str, target_model_config: Any) -> None:
         raise peagle_config.DrafterConfigError(problems[0])
 
 
-def _patch_arg_utils(module: ModuleType) -> None:
-    engine_args_cls = module.EngineArgs
-    original = engine_args_cls.create_speculative_config
-    if getattr(original, _PATCHED_MARK, False):
-        return
-
-    @functools.wraps(original)
+def _translate_then_create(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_speculative_config(self: Any, target_model_config: Any, *args: Any, **kwargs: Any):
         _translate_speculative_config(self, target_model_config)
         return original(self, target_model_config, *args, **kwargs)
 
-    setattr(create_speculative_config, _PATCHED_MARK, True)
-    engine_args_cls.create_speculative_config = create_speculative_config
+    return create_speculative_config
+
+
+def _patch_arg_utils(module: ModuleType) -> None:
+    _replace_method(module.EngineArgs, "create_speculative_config", _translate_then_create)
 
 
 # --- patch 2: our proposer behind the runner's EagleProposer name ----------------------------
@@ -286,12 +296,11 @@ def _patch_model_runner(module: ModuleType) -> None:
     from vllm_peagle.proposer import PEagleProposer
 
     module.EagleProposer = PEagleProposer
-    runner = module.GPUModelRunner
-    original = runner._sample
-    if getattr(original, _PATCHED_MARK, False):
-        return
+    _replace_method(module.GPUModelRunner, "_sample", _plain_sampling_without_drafts)
+    _replace_method(module.GPUModelRunner, "propose_draft_token_ids", _skip_drafting_when_k_is_zero)
 
-    @functools.wraps(original)
+
+def _plain_sampling_without_drafts(original: Callable[..., Any]) -> Callable[..., Any]:
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         if (
             spec_decode_metadata is not None
@@ -301,13 +310,10 @@ def _patch_model_runner(module: ModuleType) -> None:
             spec_decode_metadata = None  # nothing to verify: vLLM's plain sampling branch
         return original(self, logits, spec_decode_metadata)
 
-    setattr(_sample, _PATCHED_MARK, True)
-    runner._sample = _sample
-    runner.propose_draft_token_ids = _skip_drafting_when_k_is_zero(runner.propose_draft_token_ids)
+    return _sample
 
 
 def _skip_drafting_when_k_is_zero(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
     def propose_draft_token_ids(
         self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
     ) -> Any:
@@ -407,13 +413,7 @@ def _patch_cpu_kernels(module: ModuleType) -> None:
 # --- patch 5: no draft round trip after a step that drafted nothing ---------------------------
 
 
-def _patch_engine_core(module: ModuleType) -> None:
-    engine_core = module.EngineCore
-    original = engine_core.post_step
-    if getattr(original, _PATCHED_MARK, False):
-        return
-
-    @functools.wraps(original)
+def _no_draft_fetch_after_k_zero(original: Callable[..., Any]) -> Callable[..., Any]:
     def post_step(self: Any, model_executed: bool) -> None:
         if (
             model_executed
@@ -423,8 +423,11 @@ def _patch_engine_core(module: ModuleType) -> None:
             return
         original(self, model_executed)
 
-    setattr(post_step, _PATCHED_MARK, True)
-    engine_core.post_step = post_step
+    return post_step
+
+
+def _patch_engine_core(module: ModuleType) -> None:
+    _replace_method(module.EngineCore, "post_step", _no_draft_fetch_after_k_zero)
 
 
 def apply_all() -> None:
@@ -438,12 +441,7 @@ def apply_all() -> None:
 def apply_version_guard_only() -> None:
     """On an unsupported vLLM, patch nothing but make ``method: peagle`` fail clearly."""
 
-    def guard(module: ModuleType) -> None:
-        original = module.EngineArgs.create_speculative_config
-        if getattr(original, _PATCHED_MARK, False):
-            return
-
-        @functools.wraps(original)
+    def refuse_peagle(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_speculative_config(self: Any, *args: Any, **kwargs: Any):
             spec = self.speculative_config or {}
             if self.spec_method == peagle_config.PEAGLE_METHOD or (
@@ -452,7 +450,9 @@ def apply_version_guard_only() -> None:
                 raise peagle_config.DrafterConfigError(unsupported_vllm_message(vllm_version()))
             return original(self, *args, **kwargs)
 
-        setattr(create_speculative_config, _PATCHED_MARK, True)
-        module.EngineArgs.create_speculative_config = create_speculative_config
+        return create_speculative_config
+
+    def guard(module: ModuleType) -> None:
+        _replace_method(module.EngineArgs, "create_speculative_config", refuse_peagle)
 
     patch_when_imported("vllm.engine.arg_utils", guard)
