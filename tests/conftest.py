@@ -32,7 +32,7 @@ def local_models() -> LocalModels:
 
 
 @pytest.fixture(scope="session")
-def plain_reference(local_models) -> dict[int, list[list[int]]]:
+def plain_reference(local_models):
     from tests.engines import plain_greedy_reference
 
     return plain_greedy_reference(str(local_models.target))

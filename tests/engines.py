@@ -153,13 +153,41 @@ def drafter_info(llm: LLM) -> list[dict[str, Any]]:
 
 BATCH_SIZES = (1, 4, 16)
 
+# ~360 tokens: two full 128-token KV blocks (the CPU block size) that later requests share.
+SHARED_PREFIX = "".join(
+    f'def helper_{i}(value, scale={i}):\n    """Return value scaled by {i}."""\n'
+    "    return value * scale\n\n\n"
+    for i in range(12)
+)
+SHARED_PREFIX_SUFFIXES = ("def main(", "class Helper:\n    def ", "if __name__ == ")
 
-def plain_greedy_reference(target: str) -> dict[int, list[list[int]]]:
+
+def shared_prefix_run(llm: LLM) -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs and prefix-cache hits (prompt tokens not recomputed) of requests that
+    share :data:`SHARED_PREFIX`, sent one after another so the first fills the cache."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    tokens, cached = [], []
+    for suffix in SHARED_PREFIX_SUFFIXES:
+        [output] = llm.generate([SHARED_PREFIX + suffix], params, use_tqdm=False)
+        tokens.append(list(output.outputs[0].token_ids))
+        cached.append(output.num_cached_tokens or 0)
+    return tokens, cached
+
+
+class PlainReference(dict[int, list[list[int]]]):
+    """Greedy outputs of plain decoding per batch size, and its :func:`shared_prefix_run`."""
+
+    shared_prefix: tuple[list[list[int]], list[int]]
+
+
+def plain_greedy_reference(target: str) -> PlainReference:
     """Greedy outputs of stock vLLM (our plugin not loaded) for each batch size."""
     with environment(VLLM_PLUGINS="no-plugins"):
         llm = start_engine(target)
         try:
-            return {b: greedy_token_ids(llm, PROMPTS[:b]) for b in BATCH_SIZES}
+            reference = PlainReference({b: greedy_token_ids(llm, PROMPTS[:b]) for b in BATCH_SIZES})
+            reference.shared_prefix = shared_prefix_run(llm)
+            return reference
         finally:
             stop_engine(llm)
 

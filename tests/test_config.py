@@ -166,6 +166,7 @@ def test_translation_to_vllm_terms(tmp_path):
         "model": path,
         "num_speculative_tokens": 5,
         "parallel_drafting": True,
+        "disable_eagle_block_drop": True,
     }
     assert settings["num_speculative_tokens"] == 5 and settings["layout"] == "native"
 
@@ -200,3 +201,16 @@ def test_contradictory_requests(tmp_path, request_overrides, message):
     request.update(request_overrides)
     with pytest.raises(DrafterConfigError, match=message):
         to_vllm_speculative_config(request, TARGET)
+
+
+def test_last_cached_block_kept_unless_asked_or_unknown_to_vllm(tmp_path):
+    path = str(write_drafter(tmp_path / "d", native_config()))
+    request = {"method": "peagle", "model": path, "num_speculative_tokens": 4}
+    keep = "disable_eagle_block_drop"
+    translated, _ = to_vllm_speculative_config({**request, keep: False}, TARGET)
+    assert translated[keep] is False
+    vllm_keys = {"method", "model", "num_speculative_tokens", "parallel_drafting"}
+    translated, _ = to_vllm_speculative_config(request, TARGET, known_keys=vllm_keys)
+    assert keep not in translated
+    translated, _ = to_vllm_speculative_config(request, TARGET, known_keys=vllm_keys | {keep})
+    assert translated[keep] is True

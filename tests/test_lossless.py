@@ -10,6 +10,7 @@ from tests.engines import (
     install_forward_counters,
     peagle_spec,
     read_forward_counters,
+    shared_prefix_run,
     spec_decode_counters,
     start_engine,
     stop_engine,
@@ -56,3 +57,15 @@ def test_exactly_one_drafter_forward_per_step(peagle_engine):
     assert counts["target"] > 0
     # Each engine step runs the target once and then drafts for the next step.
     assert counts["drafter"] == counts["target"], counts
+
+
+def test_prefix_cache_hits_as_plain_decoding_does(peagle_engine, plain_reference):
+    # vLLM recomputes the last cached block for EAGLE-type drafters; ours keeps it (config.py,
+    # KEEP_LAST_CACHED_BLOCK_KEY), so a shared prefix costs no more prefill than without
+    # speculation, and the drafter's one stale position must not change a greedy token.
+    plain_tokens, plain_cached = plain_reference.shared_prefix
+    assert plain_cached[0] == 0 and min(plain_cached[1:]) > 0, plain_cached
+    _, llm = peagle_engine
+    tokens, cached = shared_prefix_run(llm)
+    assert cached == plain_cached
+    assert tokens == plain_tokens

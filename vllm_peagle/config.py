@@ -566,6 +566,11 @@ def _refuse_unknown_keys(spec: Mapping[str, Any], known_keys: Collection[str]) -
     )
 
 
+KEEP_LAST_CACHED_BLOCK_KEY = "disable_eagle_block_drop"
+"""vLLM's speculative-config key that keeps the trailing prefix-cache block of EAGLE drafters;
+on by default for ``method: "peagle"`` (see :func:`to_vllm_speculative_config`)."""
+
+
 def to_vllm_speculative_config(
     speculative_config: Mapping[str, Any],
     target: TargetSpec,
@@ -621,6 +626,14 @@ def to_vllm_speculative_config(
     if known_keys is not None:
         _refuse_unknown_keys(spec, known_keys)
     spec.update(method="eagle3", parallel_drafting=True, num_speculative_tokens=k)
+    if known_keys is None or KEEP_LAST_CACHED_BLOCK_KEY in known_keys:
+        # vLLM recomputes the last block of every prefix-cache hit for EAGLE-type drafters
+        # (the drafter's KV at the block's final position saw the next token of whichever
+        # request wrote it). That is one scheduler block, 128 tokens on CPU, of target prefill
+        # per hit; for P-EAGLE it costs at most one stale drafter position, which
+        # verification makes harmless and which K=0 steps leave stale anyway. "false" restores
+        # vLLM's behaviour.
+        spec.setdefault(KEEP_LAST_CACHED_BLOCK_KEY, True)
     settings = {
         "drafter": model,
         "layout": drafter.layout,
