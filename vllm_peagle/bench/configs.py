@@ -47,6 +47,18 @@ CONFIGS: dict[str, ConfigFactory] = {
     "peagle": lambda k, m: BenchConfig("peagle", _spec("peagle", m.peagle, k, adaptive=False)),
     # The serving default: K chosen per step in 0..K (issue #6).
     "adaptive": lambda k, m: BenchConfig("adaptive", _spec("peagle", m.peagle, k)),
+    # Ours with K=0 at every batch size: what a speculative engine costs where adaptive K
+    # stops drafting, with no policy, probes or drafts (its floor against "none").
+    "k0": lambda k, m: BenchConfig(
+        "k0",
+        _spec(
+            "peagle",
+            m.peagle,
+            k,
+            adaptive=False,
+            num_speculative_tokens_per_batch_size=[[1, 1024, 0]],
+        ),
+    ),
 }
 """Every known configuration, in table order."""
 
@@ -56,6 +68,7 @@ LABELS = {
     "upstream": "upstream P-EAGLE",
     "peagle": "P-EAGLE (ours)",
     "adaptive": "P-EAGLE (ours, adaptive K)",
+    "k0": "P-EAGLE (ours, K=0 every step)",
 }
 """Display names; unknown configurations show their own name."""
 
