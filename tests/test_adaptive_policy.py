@@ -285,3 +285,15 @@ def test_step_cost_model_never_learns_that_drafting_saves_time():
     for batch in (1, 8, 64):
         plain = model.predict(batch, 0)
         assert all(model.predict(batch, k) > plain for k in range(1, 8))
+
+
+def test_steps_admitting_prompts_draft_at_the_k_of_the_batch_they_head_for():
+    controller = KController(7, 64, AdaptiveConfig())
+    controller.decode_steps = len(controller.calibration) + 1  # past calibration, no update due
+    controller.policy_k = [7] * 33 + [0] * 32  # K=7 up to 32 requests, plain decoding above
+    controller.before_step(heading_batch=64)
+    assert controller.lookup[32] == 0 and controller.lookup[1] == 0
+    controller.before_step()
+    assert controller.lookup[32] == 7 and controller.lookup[40] == 0
+    controller.before_step(heading_batch=20)
+    assert controller.lookup[32] == 7 and controller.lookup[64] == 7

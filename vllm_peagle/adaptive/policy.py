@@ -217,9 +217,16 @@ class KController:
     def calibrating(self) -> bool:
         return self.decode_steps < len(self.calibration)
 
-    def before_step(self) -> None:
+    def before_step(self, heading_batch: int | None = None) -> None:
         """Set ``lookup`` for the step about to be scheduled (runs before every engine step,
-        so the table is rewritten only when it changes)."""
+        so the table is rewritten only when it changes).
+
+        ``heading_batch``: while requests wait, the batch size the engine heads for once they
+        are admitted. Such a step drafts with that batch size's K whatever its own size: a
+        step that drafts runs the drafter over its prompt chunks too, which pays only if the
+        batch those prompts will decode in drafts (a burst of 64 arrivals would otherwise
+        draft over their prompts at the K of the 33 admitted first, then decode at K=0).
+        """
         step = self.decode_steps
         if self.calibrating:
             self.lookup[:] = [self.calibration[step]] * len(self.lookup)
@@ -234,7 +241,11 @@ class KController:
                 self.lookup[:] = np.where(probing, self.probe_k, self.policy_k).tolist()
                 self._lookup_is_policy = False
                 return
-        if not self._lookup_is_policy:
+        if heading_batch is not None:
+            k = self.policy_k[max(1, min(heading_batch, self.max_batch_size))]
+            self.lookup[:] = [k] * len(self.lookup)
+            self._lookup_is_policy = False
+        elif not self._lookup_is_policy:
             self.lookup[:] = self.policy_k
             self._lookup_is_policy = True
 

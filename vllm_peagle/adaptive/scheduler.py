@@ -66,7 +66,11 @@ class AdaptiveKMixin:
         controller = self.k_controller
         if controller is None:
             return super().schedule(*args, **kwargs)
-        controller.before_step()
+        waiting = len(self.waiting)
+        running = len(self.running)
+        controller.before_step(
+            min(running + waiting, self.max_num_running_reqs) if waiting else None
+        )
         output = super().schedule(*args, **kwargs)
         self.last_scheduled_k = output.num_spec_tokens_to_schedule
         if output.total_num_scheduled_tokens:
