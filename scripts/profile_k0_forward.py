@@ -40,7 +40,7 @@ def _install_timer(worker: Any) -> bool:
     return True
 
 
-def _take_seconds(worker: Any) -> tuple[float, int]:
+def _take_totals(worker: Any) -> tuple[float, int]:
     seconds, tokens = worker._k0_forward
     worker._k0_forward = [0.0, 0]
     return seconds, tokens
@@ -65,8 +65,10 @@ def main() -> None:
 
     register()
     models = ensure_bench_models()
-    method = {"peagle": {"method": "peagle", "adaptive": False}}.get(
-        args.method, {"method": "eagle3", "parallel_drafting": True}
+    method = (
+        {"method": "peagle", "adaptive": False}
+        if args.method == "peagle"
+        else {"method": "eagle3", "parallel_drafting": True}
     )
     k0 = {
         **method,
@@ -92,7 +94,7 @@ def main() -> None:
     for llm in engines.values():
         llm.collective_rpc(_install_timer)
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
-        llm.collective_rpc(_take_seconds)
+        llm.collective_rpc(_take_totals)
     seconds = dict.fromkeys(engines, 0.0)
     tokens = dict.fromkeys(engines, 0)
     for round_index in range(args.rounds):
@@ -100,7 +102,7 @@ def main() -> None:
         for name in order:
             for prompt in prompts:
                 engines[name].generate([prompt], params, use_tqdm=False)
-            [(round_seconds, round_tokens)] = engines[name].collective_rpc(_take_seconds)
+            [(round_seconds, round_tokens)] = engines[name].collective_rpc(_take_totals)
             seconds[name] += round_seconds
             tokens[name] += round_tokens
     for name in engines:

@@ -193,6 +193,8 @@ class KController:
         self.lookup = list(self.policy_k)
         """What the next step uses: the policy's K, or a calibration / probe override."""
         self._lookup_is_policy = True
+        self._lookup_fill: int | None = None
+        """The K every entry of ``lookup`` holds, while it holds one K for all batch sizes."""
         self.probe_k = np.full(max_batch_size + 1, max_k)
         """The K of a probe step per batch size (the policy's K where probing cannot pay)."""
         self.probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
@@ -229,8 +231,7 @@ class KController:
         """
         step = self.decode_steps
         if self.calibrating:
-            self.lookup[:] = [self.calibration[step]] * len(self.lookup)
-            self._lookup_is_policy = False
+            self._fill_lookup(self.calibration[step])
             return
         if step % self.config.update_interval_steps == 0:
             self._update_policy()
@@ -240,14 +241,21 @@ class KController:
             if probing.any():
                 self.lookup[:] = np.where(probing, self.probe_k, self.policy_k).tolist()
                 self._lookup_is_policy = False
+                self._lookup_fill = None
                 return
         if heading_batch is not None:
-            k = self.policy_k[max(1, min(heading_batch, self.max_batch_size))]
-            self.lookup[:] = [k] * len(self.lookup)
-            self._lookup_is_policy = False
+            self._fill_lookup(self.policy_k[max(1, min(heading_batch, self.max_batch_size))])
         elif not self._lookup_is_policy:
             self.lookup[:] = self.policy_k
             self._lookup_is_policy = True
+            self._lookup_fill = None
+
+    def _fill_lookup(self, k: int) -> None:
+        # Under sustained load requests always wait: rewrite the table only when K changes.
+        if self._lookup_fill != k:
+            self.lookup[:] = [k] * len(self.lookup)
+            self._lookup_fill = k
+        self._lookup_is_policy = False
 
     def observe_step(
         self,
