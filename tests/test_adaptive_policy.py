@@ -297,3 +297,122 @@ def test_steps_admitting_prompts_draft_at_the_k_of_the_batch_they_head_for():
     assert controller.lookup[32] == 7 and controller.lookup[40] == 0
     controller.before_step(heading_batch=20)
     assert controller.lookup[32] == 7 and controller.lookup[64] == 7
+
+
+def superlinear_seconds(tokens: int, batch: int, drafting: bool) -> float:
+    """A CPU-like step: per-token cost grows with the step's tokens; the drafter is cheap per
+    request, which drafting measured at batch size 1 alone cannot reveal."""
+    return 0.015 + 7e-4 * tokens + 3e-7 * tokens**2 + drafting * (0.004 + 3e-4 * batch)
+
+
+class SuperlinearEngine(SimulatedEngine):
+    def step(self, alphas, coefficients=None) -> None:
+        self.controller.before_step()
+        k = self.controller.lookup[self.batch]
+        verified = self.pending_drafts
+        verifications = [
+            (verified, simulate_verification(self.rng, alphas, verified))
+            for _ in range(self.batch)
+            if verified
+        ]
+        tokens = self.batch * (1 + verified)
+        seconds = superlinear_seconds(tokens, self.batch, k > 0)
+        self.controller.observe_step(tokens, self.batch, k, seconds, verifications)
+        self.pending_drafts = k
+        self.drafted.append(k)
+        self.k_history.append(self.controller.policy_k[self.batch])
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.3])
+def test_cost_probes_correct_a_cost_model_that_extrapolates_wrongly(margin):
+    """Batch 1 (drafting pays), then 64 (plain decoding pays), then 32, where K=3 is ~9%
+    faster than plain decoding but the linear model, fitted on the first two, predicts
+    plain decoding. Without cost probes the policy never drafts at 32 and so never learns
+    otherwise; with them, two measured steps at the contender correct the prediction."""
+    alphas = np.full(7, 0.92)
+
+    def true_rate(batch, k):
+        return expected_tokens(alphas, k) / superlinear_seconds(batch * (1 + k), batch, k > 0)
+
+    best_at = {b: max(range(8), key=lambda k, b=b: true_rate(b, k)) for b in (1, 32, 64)}
+    assert best_at == {1: 7, 32: 3, 64: 0}
+    controller = KController(7, 64, AdaptiveConfig(cost_probe_margin=margin))
+    engine = SuperlinearEngine(controller, batch=1)
+    for batch, steps in ((1, 200), (64, 200), (32, 300)):
+        engine.batch = batch
+        for _ in range(steps):
+            engine.step(alphas)
+        chosen = controller.policy_k[batch]
+        if margin or batch != 32:
+            assert chosen == best_at[batch], (batch, engine.drafted[-40:])
+        else:  # the trap is real
+            assert chosen == 0
+            assert true_rate(32, 3) > 1.05 * true_rate(32, 0)
+    if margin:
+        # Few probes: the steady state at 32 drafts at its K, and the last 100 steps at 64
+        # (K=0) tried drafting at most once (a two-step cost probe).
+        assert engine.drafted[-100:].count(3) >= 95
+        assert sum(1 for k in engine.drafted[300:400] if k) <= 2
+
+
+def test_no_probe_drafts_over_prompts_while_requests_wait():
+    controller = KController(7, 64, AdaptiveConfig())
+    controller.decode_steps = 4 * len(controller.calibration) * 16  # past calibration
+    controller.policy_k = [0] * 65
+    controller.probe_k = np.full(65, 7)  # every batch size due for a probe this step
+    controller.probe_interval = np.full(65, 16)
+    controller._update_policy = lambda: None  # keep the forced plan
+    controller.before_step(heading_batch=64)
+    assert set(controller.lookup) == {0}
+    controller.before_step()
+    assert set(controller.lookup) == {7}
+
+
+def test_drafter_compute_ratio_counts_projections():
+    from types import SimpleNamespace
+
+    from vllm_peagle.adaptive.estimates import drafter_compute_ratio
+
+    def config(layers):
+        return SimpleNamespace(
+            num_hidden_layers=layers, hidden_size=64, intermediate_size=176, num_attention_heads=4
+        )
+
+    h, i = 64, 176
+    per_layer = 3 * h * h + h * h + 3 * h * i  # q, k, v; o; gate, up, down
+    first_layer_extra_input, fc = 3 * h * h, 3 * h * h
+    expected = (2 * per_layer + first_layer_extra_input + fc) / (8 * per_layer)
+    assert drafter_compute_ratio(config(8), config(2)) == pytest.approx(expected)
+    assert drafter_compute_ratio(config(8), None) == 0.0
+
+
+@pytest.mark.parametrize("prompt_tokens, output_tokens", [(20, 512), (1500, 48)])
+def test_drafting_over_prompts_is_charged_to_the_requests_it_decodes(prompt_tokens, output_tokens):
+    """Whole-request time at batch B: the prompts (the target, plus the drafter at K > 0),
+    then ``output / E[tokens | K]`` decoding steps. The policy's per-step amortisation must
+    pick the K that minimises it: drafting with short prompts and long outputs, plain
+    decoding when long prompts buy only a few tokens."""
+    batch, max_k, ratio = 16, 4, 0.3
+    alphas = np.full(max_k, 0.6)
+    costs = (10e-3, 2e-4, 1e-3, 5e-5)
+    controller = KController(max_k, batch, AdaptiveConfig(), drafter_compute_ratio=ratio)
+    controller.cost = fitted_cost(*costs, max_batch=batch, max_k=max_k)
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        controller.acceptance.observe_step(
+            [(max_k, simulate_verification(rng, alphas, max_k)) for _ in range(8)]
+        )
+    for _ in range(50):
+        controller.observe_requests(prompt_tokens * 4, 4, output_tokens * 4, 4)
+    alphas_seen = controller.acceptance.conditional()
+    per_prompt_token = costs[1]  # what the target's fitted per-token cost converges to
+
+    def request_seconds(k):
+        prompts = batch * prompt_tokens * per_prompt_token * (1 + ratio * (k > 0))
+        steps = output_tokens / expected_tokens(alphas_seen, k)
+        return prompts + steps * true_seconds(costs, batch, k)
+
+    best = min(range(max_k + 1), key=request_seconds)
+    controller._update_policy()
+    assert controller.policy_k[batch] == best
+    assert (best > 0) == (prompt_tokens < output_tokens)

@@ -140,9 +140,17 @@ class StepCostModel:
         drafts = 1.0 if drafting else 0.0
         return np.array([1.0, num_tokens, drafts, batch_size * drafts, num_tokens * drafts])
 
+    @property
+    def trusted(self) -> bool:
+        return self.num_observations >= self.trusted_after
+
+    def predict_step(self, num_tokens: int, batch_size: int, drafting: bool) -> float:
+        """Predicted seconds of a step of this shape (any mix of prompt and decoding)."""
+        return float(self.features(num_tokens, batch_size, drafting) @ self.coefficients())
+
     def observe(self, num_tokens: int, batch_size: int, drafting: bool, seconds: float) -> None:
         x = self.features(num_tokens, batch_size, drafting)
-        if self.num_observations >= self.trusted_after:
+        if self.trusted:
             # A stall (first use of a kernel shape, another process taking the CPU, a GC
             # pause) is not the cost of this step's shape; clip it so it cannot drag the fit.
             predicted = float(x @ self.coefficients())
@@ -167,3 +175,134 @@ class StepCostModel:
         """Predicted seconds of a decoding step of ``batch_size`` requests at ``k`` drafts."""
         x = self.features(batch_size * (1 + k), batch_size, k > 0)
         return float(x @ self.coefficients())
+
+
+def batch_bucket(batch_size: np.ndarray | int) -> np.ndarray | int:
+    """Batch sizes within ~9% of each other share a bucket (exact below 10 requests)."""
+    return np.rint(4.0 * np.log2(np.maximum(batch_size, 1))).astype(int)
+
+
+class CostCorrection:
+    """Measured over predicted step time, per (batch bucket, tokens per request, drafting).
+
+    The linear :class:`StepCostModel` is fitted where the policy has run, and extrapolates
+    elsewhere: drafting measured only at batch size 1 says nothing about how its cost splits
+    into per-step and per-request parts, and a CPU target's step time grows faster than
+    linearly in tokens. Before a K is chosen at a batch size over one measured there, its
+    prediction is scaled by what steps of that shape actually took (a step's shape is its
+    batch bucket, tokens per request ``1 + K`` and whether the drafter ran). A shape never
+    measured keeps the model's prediction; the policy's cost probes measure it.
+    """
+
+    half_life_observations = 8.0
+    """Observations of one shape after which an older one weighs half."""
+
+    def __init__(self, max_batch_size: int, max_k: int) -> None:
+        shape = (int(batch_bucket(max_batch_size)) + 1, max_k + 2, 2)
+        self.ratio = np.ones(shape)
+        self.weight = np.zeros(shape)
+        self.last_seen = np.full(shape, -(10**9))
+        """Decoding step at which each shape was last measured."""
+        self.decay = decay_for_half_life(self.half_life_observations)
+        self.max_k = max_k
+
+    def _index(self, batch_size: int, num_tokens: int, drafting: bool) -> tuple[int, int, int]:
+        per_request = min(max(round(num_tokens / batch_size), 1), self.max_k + 1)
+        return int(batch_bucket(batch_size)), per_request, int(drafting)
+
+    def observe(
+        self,
+        num_tokens: int,
+        batch_size: int,
+        drafting: bool,
+        seconds: float,
+        predicted: float,
+        step: int,
+    ) -> None:
+        if predicted <= 0:
+            return
+        index = self._index(batch_size, num_tokens, drafting)
+        weight = self.weight[index] * self.decay
+        # Clipped like the model's own inputs: one stall must not condemn a shape.
+        ratio = min(seconds / predicted, StepCostModel.outlier_factor)
+        self.ratio[index] = (self.ratio[index] * weight + ratio) / (weight + 1)
+        self.weight[index] = weight + 1
+        self.last_seen[index] = step
+
+    def table(self, max_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per batch size 0..max (rows) and K = 0..max_k (columns) of a decoding step: the
+        correction factor, and the decoding step at which a step of that kind (drafting or
+        plain) was last measured at that batch bucket.
+
+        A K not measured at a bucket takes the factor interpolated between the measured K of
+        its kind there (the nearest one beyond them), so one measured drafting K corrects
+        every drafting K at that batch size.
+        """
+        ratio = self.ratio.copy()
+        measured = self.weight > 0
+        positions = np.arange(ratio.shape[1])
+        for bucket, kind in zip(*np.nonzero(measured.any(axis=1)), strict=True):
+            seen = np.flatnonzero(measured[bucket, :, kind])
+            ratio[bucket, :, kind] = np.interp(positions, seen, self.ratio[bucket, seen, kind])
+        kind_seen = self.last_seen.max(axis=1)
+        buckets = batch_bucket(np.arange(max_batch_size + 1))[:, None]
+        k = np.arange(self.max_k + 1)[None, :]
+        kinds = (k > 0).astype(int)
+        return ratio[buckets, 1 + k, kinds], kind_seen[buckets, kinds]
+
+
+class RequestShape:
+    """Decayed means of prompt tokens computed and output tokens generated per request.
+
+    What a drafting policy invests beyond its decoding steps: a step that drafts runs the
+    drafter over the prompt chunks it admits, so every request's prompt is paid for once and
+    returned over its ``output / E[tokens | K]`` decoding steps.
+    """
+
+    def __init__(self, half_life_steps: float = 256.0) -> None:
+        self.decay = decay_for_half_life(half_life_steps)
+        self.prompt_tokens = 0.0
+        self.admitted = 0.0
+        self.output_tokens = 0.0
+        self.finished = 0.0
+
+    def observe_step(
+        self, prompt_tokens: int, admitted: int, output_tokens: int, finished: int
+    ) -> None:
+        self.prompt_tokens = self.prompt_tokens * self.decay + prompt_tokens
+        self.admitted = self.admitted * self.decay + admitted
+        self.output_tokens = self.output_tokens * self.decay + output_tokens
+        self.finished = self.finished * self.decay + finished
+
+    def prompt_per_output_token(self) -> float:
+        """Mean prompt tokens computed per output token (0 until requests have finished)."""
+        if self.admitted < 1 or self.finished < 1 or self.output_tokens <= 0:
+            return 0.0
+        mean_prompt = self.prompt_tokens / self.admitted
+        mean_output = self.output_tokens / self.finished
+        return mean_prompt / mean_output
+
+
+def drafter_compute_ratio(target_config: object, drafter_config: object) -> float:
+    """Multiply-adds per token of the drafter over the target's, from their HF configs.
+
+    Counts the decoder layers' projections (attention and MLP) and, for the drafter, the fc
+    that fuses three target hidden states and its first layer's doubled attention input
+    (EAGLE-3: token embedding and hidden state). 0 when a config lacks the sizes.
+    """
+
+    def projections(config: object) -> tuple[float, float]:
+        """(q, k, v input projection, the rest of one layer) multiply-adds per token."""
+        hidden = getattr(config, "hidden_size", 0)
+        heads = getattr(config, "num_attention_heads", 0) or 1
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        qkv = hidden * (hidden + 2 * hidden * kv_heads / heads)
+        return qkv, hidden * hidden + 3 * hidden * getattr(config, "intermediate_size", 0)
+
+    target_layers = getattr(target_config, "num_hidden_layers", 0)
+    drafter_layers = getattr(drafter_config, "num_hidden_layers", 0)
+    target = target_layers * sum(projections(target_config))
+    qkv, rest = projections(drafter_config)
+    hidden = getattr(drafter_config, "hidden_size", 0)
+    drafter = drafter_layers * (qkv + rest) + qkv + 3 * hidden * hidden
+    return drafter / target if target > 0 and drafter_layers > 0 else 0.0

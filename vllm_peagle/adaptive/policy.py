@@ -10,7 +10,14 @@ cost (:mod:`vllm_peagle.adaptive.estimates`). ``B`` is fixed within a step, so t
 batch size ``B`` is ``argmax_K E[tokens | K] / T(B, K)`` over ``K in min_k..max_k``; ``K = 0``
 is a plain decoding step (no drafter forward, nothing to verify).
 
-Around the argmax sit three guards:
+A step that drafts also runs the drafter over the prompt chunks it admits, so drafting at
+batch size ``B`` invests in every prompt once; spread over a request's decoding steps that is
+``B · d · (prompt / output tokens) · E[tokens | K]`` seconds per step, with ``d`` the drafter's
+cost per prompt token (the target's measured per-token cost times the drafter's share of its
+compute, :func:`~vllm_peagle.adaptive.estimates.drafter_compute_ratio`), added to ``T(B, K)``
+for K > 0.
+
+Around the argmax sit four guards:
 
 * **calibration** at start-up: the first decoding steps run a fixed sweep of K values, so the
   cost model has seen drafting and non-drafting steps before it is trusted;
@@ -21,7 +28,14 @@ Around the argmax sit three guards:
   well again (:func:`probe_plan`). A batch size is probed only where a longer draft could
   win at all, and only as often as a small time budget (``probe_budget``) allows; where
   drafting costs more than it could ever return (large batches on a compute-bound target)
-  there are no probes.
+  there are no probes;
+* **cost probes**: the step cost model is linear and fitted where the policy has run, so it
+  extrapolates to batch sizes and K it has not seen; where the best K of the other kind
+  (drafting against plain decoding) is predicted within ``cost_probe_margin`` of the
+  policy's K, two steps run at that K so its step time is measured at this batch size, and
+  predictions are scaled by what steps of each shape measured
+  (:class:`~vllm_peagle.adaptive.estimates.CostCorrection`). A shape is measured again once
+  ``cost_refresh_steps`` old, as often as ``probe_budget`` allows.
 """
 
 from __future__ import annotations
@@ -33,7 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from vllm_peagle.adaptive.estimates import AcceptanceEstimate, StepCostModel, expected_tokens
+from vllm_peagle.adaptive.estimates import (
+    AcceptanceEstimate,
+    CostCorrection,
+    RequestShape,
+    StepCostModel,
+    expected_tokens,
+)
 
 
 @dataclass
@@ -56,6 +76,11 @@ class AdaptiveConfig:
     """Fewest decoding steps between two probes of a longer draft than the chosen K."""
     probe_budget: float = 0.01
     """Share of decoding time probes may cost; sets how often a batch size is probed."""
+    cost_probe_margin: float = 0.3
+    """Relative predicted shortfall within which the other kind of step (drafting or plain)
+    has its step time measured at a batch size; 0 disables cost probes."""
+    cost_refresh_steps: int = 512
+    """Decoding steps after which a measured step shape is measured again."""
     update_interval_steps: int = 4
     """Decoding steps between re-evaluations of the K table."""
     log_interval_s: float = 10.0
@@ -85,10 +110,12 @@ class AdaptiveConfig:
             or config.hysteresis < 0
             or config.probe_interval_steps < 1
             or not 0 < config.probe_budget <= 1
+            or not 0 <= config.cost_probe_margin < 1
+            or config.cost_refresh_steps < 1
         ):
             raise ValueError(
-                "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1 and "
-                "0 < probe_budget <= 1. "
+                "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1, "
+                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1 and cost_refresh_steps >= 1. "
                 f"Fix: correct {setting!r}."
             )
         return config
@@ -168,6 +195,46 @@ def probe_plan(
     return probe_k, (min_interval * periods).astype(int)
 
 
+def cost_probe_plan(
+    rates: np.ndarray,
+    seconds: np.ndarray,
+    last_measured: np.ndarray,
+    policy_k: np.ndarray,
+    step: int,
+    config: AdaptiveConfig,
+    min_k: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per batch size, the K of a cost probe (the policy's K where none is due) and the steps
+    between cost probes.
+
+    The contender is the best K of the other kind: the best drafting K where the policy
+    decodes plainly, K = 0 where it drafts. A kind never measured at a batch bucket is
+    probed at the next chance, however poor its prediction (the model's extrapolation is
+    what is in doubt; a one-off two steps). Once measured, it is probed again where its
+    predicted rate is within ``cost_probe_margin`` of the policy's and the measurement is
+    more than ``cost_refresh_steps`` old, spaced so the lost time, two steps at the
+    contender's lower rate, stays within ``probe_budget`` of decoding time.
+    """
+    rows = np.arange(len(policy_k))
+    k = np.arange(seconds.shape[1])[None, :]
+    other_kind = ((k > 0) != (policy_k[:, None] > 0)) & (k >= min_k)
+    contender_rates = np.where(other_kind, rates, -np.inf)
+    contender = np.argmax(contender_rates, axis=1)
+    current = rates[rows, policy_k]
+    relative = contender_rates[rows, contender] / np.maximum(current, 1e-12)
+    never_measured = last_measured[rows, contender] < 0
+    stale = step - last_measured[rows, contender] > config.cost_refresh_steps
+    contends = never_measured | (stale & (relative >= 1 - config.cost_probe_margin))
+    due = (config.cost_probe_margin > 0) & other_kind.any(axis=1) & contends
+    probe_k = np.where(due, contender, policy_k)
+    lost = 2 * seconds[rows, contender] * np.maximum(1 - relative, 0)
+    overhead = lost / np.maximum(seconds[rows, policy_k], 1e-12)
+    interval = config.probe_interval_steps
+    periods = np.maximum(1, np.ceil(overhead / max(config.probe_budget, 1e-6) / interval))
+    periods = np.where(never_measured, 1, periods)
+    return probe_k, (interval * periods).astype(int)
+
+
 def best_k(rates: np.ndarray, min_k: int = 0) -> np.ndarray:
     """Per row, the K with the highest rate among ``min_k..`` (the smallest K on ties)."""
     return min_k + np.argmax(rates[..., min_k:], axis=-1)
@@ -181,13 +248,23 @@ class KController:
     :meth:`observe_step` with each step's outcome.
     """
 
-    def __init__(self, max_k: int, max_batch_size: int, config: AdaptiveConfig) -> None:
+    def __init__(
+        self,
+        max_k: int,
+        max_batch_size: int,
+        config: AdaptiveConfig,
+        drafter_compute_ratio: float = 0.0,
+    ) -> None:
         self.max_k = max_k
+        self.drafter_compute_ratio = drafter_compute_ratio
+        """Drafter multiply-adds per token over the target's: prices drafting over prompts."""
+        self.requests = RequestShape(config.cost_half_life_steps)
         self.max_batch_size = max_batch_size
         self.config = config
         self.min_k = min(config.min_k, max_k)
         self.acceptance = AcceptanceEstimate(max_k, config.acceptance_half_life_steps)
         self.cost = StepCostModel(config.cost_half_life_steps)
+        self.correction = CostCorrection(max_batch_size, max_k)
         self.policy_k = [max_k] * (max_batch_size + 1)
         """The policy's K per batch size (index 0 unused)."""
         self.lookup = list(self.policy_k)
@@ -199,6 +276,11 @@ class KController:
         """The K of a probe step per batch size (the policy's K where probing cannot pay)."""
         self.probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
         """Decoding steps between probes per batch size."""
+        self.cost_probe_k = np.array(self.policy_k)
+        """The K of a cost probe per batch size (the policy's K where none is due)."""
+        self.cost_probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
+        self._probe_second_step: list[int] | None = None
+        """A cost probe's table, held for its second step (its first only drafts)."""
         half = max(1, (max_k + 1) // 2)
         sweep = [k for k in dict.fromkeys([max_k, 0, 1, half]) if k >= self.min_k]
         self.calibration = [max_k] * 2 + [
@@ -235,11 +317,25 @@ class KController:
             return
         if step % self.config.update_interval_steps == 0:
             self._update_policy()
+        # Probes only measure decoding steps, and a step admitting prompts would draft over
+        # them too (the dearest drafting there is): while requests wait, nothing probes.
+        second_step, self._probe_second_step = self._probe_second_step, None
+        if second_step is not None and heading_batch is None:
+            self.lookup[:] = second_step
+            return
         # Probe intervals are multiples of probe_interval_steps: no other step can probe.
-        if step % self.config.probe_interval_steps == 0:
+        if heading_batch is None and step % self.config.probe_interval_steps == 0:
             probing = step % self.probe_interval == 0
-            if probing.any():
-                self.lookup[:] = np.where(probing, self.probe_k, self.policy_k).tolist()
+            cost_probing = (step % self.cost_probe_interval == 0) & (
+                self.cost_probe_k != self.policy_k
+            )
+            if probing.any() or cost_probing.any():
+                policy_or_probe = np.where(probing, self.probe_k, self.policy_k)
+                self.lookup[:] = np.where(cost_probing, self.cost_probe_k, policy_or_probe).tolist()
+                if cost_probing.any():
+                    self._probe_second_step = np.where(
+                        cost_probing, self.cost_probe_k, self.policy_k
+                    ).tolist()
                 self._lookup_is_policy = False
                 self._lookup_fill = None
                 return
@@ -274,15 +370,40 @@ class KController:
         )
         # The first steps of an engine pay one-off costs (kernel selection, allocator warm-up).
         if seconds is not None and seconds > 0 and self.decode_steps > self.warmup_steps:
-            self.cost.observe(num_tokens, batch_size, drafted_k > 0, seconds)
+            drafting = drafted_k > 0
+            if self.cost.trusted:
+                predicted = self.cost.predict_step(num_tokens, batch_size, drafting)
+                self.correction.observe(
+                    num_tokens, batch_size, drafting, seconds, predicted, self.decode_steps
+                )
+            self.cost.observe(num_tokens, batch_size, drafting, seconds)
         self.acceptance.observe_step(verifications)
         self.verified_drafts += sum(drafts for drafts, _ in verifications)
         self.accepted_drafts += sum(accepted for _, accepted in verifications)
 
+    def observe_requests(
+        self, prompt_tokens: int, admitted: int, output_tokens: int, finished: int
+    ) -> None:
+        """One step's prompt tokens computed for newly admitted requests, tokens generated,
+        and requests finished (every step, prompt steps included)."""
+        self.requests.observe_step(prompt_tokens, admitted, output_tokens, finished)
+
+    def _prompt_drafting_seconds(self, gains: np.ndarray) -> np.ndarray:
+        """Per decoding step (rows: batch size, columns: K), the drafter's pass over the
+        prompts of the requests it decodes, spread over their decoding steps."""
+        per_token = self.drafter_compute_ratio * self.cost.coefficients()[1]
+        share = self.requests.prompt_per_output_token()
+        batch = np.maximum(np.arange(self.max_batch_size + 1), 1)[:, None]
+        k = np.arange(self.max_k + 1)[None, :]
+        return (k > 0) * batch * (per_token * share) * gains[None, :]
+
     def _update_policy(self) -> None:
         alphas = self.acceptance.conditional()
-        seconds = seconds_table(self.cost, self.max_batch_size, self.max_k)
-        rates = _rates(expected_tokens_table(alphas, self.max_k)[None, :], seconds)
+        gains = expected_tokens_table(alphas, self.max_k)
+        correction, last_measured = self.correction.table(self.max_batch_size)
+        seconds = seconds_table(self.cost, self.max_batch_size, self.max_k) * correction
+        seconds += self._prompt_drafting_seconds(gains)
+        rates = _rates(gains[None, :], seconds)
         current = np.array(self.policy_k)
         candidate = best_k(rates, self.min_k)
         rows = np.arange(len(current))
@@ -301,14 +422,18 @@ class KController:
             self.config.probe_budget,
             self.config.probe_interval_steps,
         )
+        self.cost_probe_k, self.cost_probe_interval = cost_probe_plan(
+            rates, seconds, last_measured, current, self.decode_steps, self.config, self.min_k
+        )
 
     def summary(self, batch_size: int) -> str:
         """One log line: K for this batch size, acceptance, predicted gain and step times."""
         batch_size = max(1, min(batch_size, self.max_batch_size))
         k = self.policy_k[batch_size]
         alphas = self.acceptance.conditional()
-        plain_ms = self.cost.predict(batch_size, 0) * 1e3
-        spec_ms = self.cost.predict(batch_size, k) * 1e3
+        correction, _ = self.correction.table(batch_size)
+        plain_ms = self.cost.predict(batch_size, 0) * correction[batch_size, 0] * 1e3
+        spec_ms = self.cost.predict(batch_size, k) * correction[batch_size, k] * 1e3
         return (
             f"batch {batch_size}: K={k} (max {self.max_k}), alpha="
             f"[{' '.join(f'{a:.2f}' for a in alphas[: max(k, 1) + 1])}], "

@@ -21,6 +21,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from vllm_peagle.adaptive.estimates import drafter_compute_ratio
 from vllm_peagle.adaptive.policy import AdaptiveConfig, KController
 from vllm_peagle.adaptive.scheduler_name import SCHEDULER_QUALNAME
 from vllm_peagle.config import ADDITIONAL_CONFIG_KEY
@@ -43,7 +44,16 @@ class AdaptiveKMixin:
         (patch ledger, entry 5)."""
         if not (config.enabled and self.num_spec_tokens and self.dynamic_sd_lookup is None):
             return
-        self.k_controller = KController(self.num_spec_tokens, self.max_num_running_reqs, config)
+        drafter_model = getattr(self.vllm_config.speculative_config, "draft_model_config", None)
+        self.k_controller = KController(
+            self.num_spec_tokens,
+            self.max_num_running_reqs,
+            config,
+            drafter_compute_ratio(
+                self.vllm_config.model_config.hf_text_config,
+                getattr(drafter_model, "hf_config", None),
+            ),
+        )
         # vLLM reads dynamic_sd_lookup[batch size] each step; the controller rewrites the same
         # list in place. A non-None table also stops vLLM padding new decodes to the full K.
         self.dynamic_sd_lookup = self.k_controller.lookup
@@ -56,10 +66,11 @@ class AdaptiveKMixin:
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         logger.info(
             "vllm-peagle adaptive K on: K chosen per step in %d..%d from live acceptance and "
-            "step cost (calibrating over K=%s first).",
+            "step cost (calibrating over K=%s first; drafter/target compute %.2f).",
             self.k_controller.min_k,
             self.num_spec_tokens,
             sorted(set(self.k_controller.calibration)),
+            self.k_controller.drafter_compute_ratio,
         )
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -91,6 +102,14 @@ class AdaptiveKMixin:
 
     def _observe(self, scheduler_output: Any, model_runner_output: Any) -> None:
         now = time.perf_counter()
+        sampled = model_runner_output.sampled_token_ids or []
+        new_requests = scheduler_output.scheduled_new_reqs
+        self.k_controller.observe_requests(
+            sum(len(r.prompt_token_ids or ()) - r.num_computed_tokens for r in new_requests),
+            len(new_requests),
+            sum(len(tokens) for tokens in sampled),
+            len(scheduler_output.finished_req_ids),
+        )
         started = self._step_starts.pop(id(scheduler_output), None)
         if started is None:
             return
@@ -100,7 +119,6 @@ class AdaptiveKMixin:
         idle = max(0.0, start_time - self._last_output_time)
         seconds = now - max(start_time, self._last_output_time)
         self._last_output_time = now
-        sampled = model_runner_output.sampled_token_ids or []
         index = model_runner_output.req_id_to_index
         invalid = scheduler_output.num_invalid_spec_tokens or {}
         verifications = []
