@@ -161,13 +161,16 @@ class SimulatedEngine:
             for _ in range(self.batch)
             if verified
         ]
-        seconds = true_seconds(coefficients, self.batch, k, verified)
+        seconds = self.seconds(coefficients, k, verified)
         self.controller.observe_step(
             self.batch * (1 + verified), self.batch, k, seconds, verifications
         )
         self.pending_drafts = k
         self.drafted.append(k)
         self.k_history.append(self.controller.policy_k[self.batch])
+
+    def seconds(self, coefficients, k: int, verified: int) -> float:
+        return true_seconds(coefficients, self.batch, k, verified)
 
 
 COSTS = (5e-3, 1e-4, 1e-3, 2e-5)  # drafting pays when acceptance is good, not when it is poor
@@ -306,21 +309,8 @@ def superlinear_seconds(tokens: int, batch: int, drafting: bool) -> float:
 
 
 class SuperlinearEngine(SimulatedEngine):
-    def step(self, alphas, coefficients=None) -> None:
-        self.controller.before_step()
-        k = self.controller.lookup[self.batch]
-        verified = self.pending_drafts
-        verifications = [
-            (verified, simulate_verification(self.rng, alphas, verified))
-            for _ in range(self.batch)
-            if verified
-        ]
-        tokens = self.batch * (1 + verified)
-        seconds = superlinear_seconds(tokens, self.batch, k > 0)
-        self.controller.observe_step(tokens, self.batch, k, seconds, verifications)
-        self.pending_drafts = k
-        self.drafted.append(k)
-        self.k_history.append(self.controller.policy_k[self.batch])
+    def seconds(self, coefficients, k: int, verified: int) -> float:
+        return superlinear_seconds(self.batch * (1 + verified), self.batch, k > 0)
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.3])
@@ -341,7 +331,7 @@ def test_cost_probes_correct_a_cost_model_that_extrapolates_wrongly(margin):
     for batch, steps in ((1, 200), (64, 200), (32, 300)):
         engine.batch = batch
         for _ in range(steps):
-            engine.step(alphas)
+            engine.step(alphas, None)
         chosen = controller.policy_k[batch]
         if margin or batch != 32:
             assert chosen == best_at[batch], (batch, engine.drafted[-40:])

@@ -126,6 +126,9 @@ class StepCostModel:
     """Observations after which predictions are used to clip outliers."""
     outlier_factor = 3.0
     """Step times above this multiple of the prediction are clipped to it."""
+    refit_every = 4
+    """Observations between refits (a refit is a small solve; the policy reads the fit
+    only every few steps, and this runs on the engine's critical path)."""
 
     def __init__(self, half_life_steps: float = 256.0, ridge: float = 1e-6) -> None:
         self.decay = decay_for_half_life(half_life_steps)
@@ -134,6 +137,7 @@ class StepCostModel:
         self.moment = np.zeros(self.num_features)
         self.num_observations = 0
         self._coefficients: np.ndarray | None = None
+        self._fitted_at = 0
 
     @staticmethod
     def features(num_tokens: float, batch_size: float, drafting: bool) -> np.ndarray:
@@ -159,10 +163,11 @@ class StepCostModel:
         self.gram = self.gram * self.decay + np.outer(x, x)
         self.moment = self.moment * self.decay + x * seconds
         self.num_observations += 1
-        self._coefficients = None
 
     def coefficients(self) -> np.ndarray:
-        if self._coefficients is None:
+        stale = self.num_observations - self._fitted_at >= self.refit_every
+        if self._coefficients is None or stale:
+            self._fitted_at = self.num_observations
             # A ridge relative to each feature's own scale only settles directions the
             # observations leave undetermined (e.g. the drafting term before any K=0 step),
             # without biasing well-measured coefficients of very different magnitudes.
