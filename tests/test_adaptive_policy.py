@@ -84,6 +84,69 @@ def test_step_cost_model_separates_drafting_from_verification():
         assert model.predict(batch, k) == pytest.approx(true_seconds(costs, batch, k), rel=0.02)
 
 
+def test_step_cost_model_folds_a_batch_as_it_would_one_step_at_a_time():
+    rng = np.random.default_rng(5)
+    steps = [
+        (int(b * (1 + k)), int(b), k > 0, float(rng.uniform(0.005, 0.02)))
+        for b, k in zip(rng.integers(1, 9, 40), rng.integers(0, 5, 40), strict=True)
+    ]
+    one_by_one, batched = StepCostModel(half_life_steps=32), StepCostModel(half_life_steps=32)
+    for step in steps[:8]:  # below trusted_after: no clipping in either
+        one_by_one.observe(*step)
+    batched.observe_many(*(np.array(column) for column in zip(*steps[:8], strict=True)))
+    np.testing.assert_allclose(batched.gram, one_by_one.gram, rtol=1e-12)
+    np.testing.assert_allclose(batched.moment, one_by_one.moment, rtol=1e-12)
+    assert batched.num_observations == one_by_one.num_observations == 8
+
+
+def test_step_cost_model_batch_clips_stalls_against_the_fit_before_it():
+    model = StepCostModel(half_life_steps=1e9)
+    for i in range(40):
+        model.observe(1 + i % 4, 1 + i % 2, i % 4 > 0, 0.010 + 0.001 * (i % 4))
+    before = model.predict(1, 2)
+    predicted = model.observe_many(
+        np.array([3.0, 3.0]), np.array([1.0, 1.0]), np.array([True, True]), np.array([30.0, 0.012])
+    )
+    assert predicted == pytest.approx([before, before])
+    assert model.predict(1, 2) < 2 * before
+
+
+def test_plain_decoding_reevaluates_the_table_less_often_than_drafting():
+    config = AdaptiveConfig()
+    controller = KController(4, 4, config)
+    engine = SimulatedEngine(controller, batch=2)
+    calls: list[int] = []
+    update = controller._update_policy
+
+    def counting_update() -> None:
+        calls.append(controller.decode_steps)
+        update()
+
+    controller._update_policy = counting_update
+    for _ in range(400):  # a drafter that predicts nothing: plain decoding but for probes
+        engine.step(np.full(4, 0.01), COSTS)
+    plain_steps = [s for s in calls if s > 200]
+    interval = config.update_interval_steps
+    spacing = np.diff(plain_steps)
+    # Every 4x the interval (AdaptiveConfig.update_interval_steps says so); after a probe's
+    # verification, once more at the next interval.
+    assert spacing.max() == 4 * interval, plain_steps
+    assert set(spacing) <= {interval, 2 * interval, 3 * interval, 4 * interval}
+    drafting = KController(4, 4, config)
+    engine = SimulatedEngine(drafting, batch=2)
+    drafting_calls: list[int] = []
+    update_drafting = drafting._update_policy
+
+    def counting_drafting_update() -> None:
+        drafting_calls.append(drafting.decode_steps)
+        update_drafting()
+
+    drafting._update_policy = counting_drafting_update
+    for _ in range(400):  # a drafter that predicts well: every step verifies drafts
+        engine.step(np.full(4, 0.9), COSTS)
+    assert set(np.diff([s for s in drafting_calls if s > 200])) == {interval}
+
+
 def test_step_cost_model_clips_stalls():
     model = StepCostModel(half_life_steps=1e9)
     for i in range(40):

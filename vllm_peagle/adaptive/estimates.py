@@ -148,21 +148,41 @@ class StepCostModel:
     def trusted(self) -> bool:
         return self.num_observations >= self.trusted_after
 
-    def predict_step(self, num_tokens: int, batch_size: int, drafting: bool) -> float:
-        """Predicted seconds of a step of this shape (any mix of prompt and decoding)."""
-        return float(self.features(num_tokens, batch_size, drafting) @ self.coefficients())
-
     def observe(self, num_tokens: int, batch_size: int, drafting: bool, seconds: float) -> None:
-        x = self.features(num_tokens, batch_size, drafting)
+        self.observe_many(
+            np.array([float(num_tokens)]),
+            np.array([float(batch_size)]),
+            np.array([drafting]),
+            np.array([seconds]),
+        )
+
+    def observe_many(
+        self,
+        num_tokens: np.ndarray,
+        batch_size: np.ndarray,
+        drafting: np.ndarray,
+        seconds: np.ndarray,
+    ) -> np.ndarray | None:
+        """Fold in steps in the order they ran; returns what the fit before them predicted
+        for each (None while the model is not yet trusted)."""
+        drafts = drafting.astype(float)
+        x = np.stack(
+            [np.ones_like(drafts), num_tokens, drafts, batch_size * drafts, num_tokens * drafts],
+            axis=1,
+        )
+        predicted = None
         if self.trusted:
             # A stall (first use of a kernel shape, another process taking the CPU, a GC
             # pause) is not the cost of this step's shape; clip it so it cannot drag the fit.
-            predicted = float(x @ self.coefficients())
-            if predicted > 0:
-                seconds = min(seconds, self.outlier_factor * predicted)
-        self.gram = self.gram * self.decay + np.outer(x, x)
-        self.moment = self.moment * self.decay + x * seconds
-        self.num_observations += 1
+            predicted = x @ self.coefficients()
+            limit = np.where(predicted > 0, self.outlier_factor * predicted, np.inf)
+            seconds = np.minimum(seconds, limit)
+        count = len(seconds)
+        weights = self.decay ** np.arange(count - 1, -1, -1, dtype=float)
+        self.gram = self.gram * self.decay**count + (x * weights[:, None]).T @ x
+        self.moment = self.moment * self.decay**count + (weights * seconds) @ x
+        self.num_observations += count
+        return predicted
 
     def coefficients(self) -> np.ndarray:
         stale = self.num_observations - self._fitted_at >= self.refit_every
@@ -211,28 +231,38 @@ class CostCorrection:
         self.decay = decay_for_half_life(self.half_life_observations)
         self.max_k = max_k
 
-    def _index(self, batch_size: int, num_tokens: int, drafting: bool) -> tuple[int, int, int]:
-        per_request = min(max(round(num_tokens / batch_size), 1), self.max_k + 1)
-        return int(batch_bucket(batch_size)), per_request, int(drafting)
-
-    def observe(
+    def observe_many(
         self,
-        num_tokens: int,
-        batch_size: int,
-        drafting: bool,
-        seconds: float,
-        predicted: float,
-        step: int,
+        num_tokens: np.ndarray,
+        batch_size: np.ndarray,
+        drafting: np.ndarray,
+        seconds: np.ndarray,
+        predicted: np.ndarray,
+        steps: np.ndarray,
     ) -> None:
-        if predicted <= 0:
-            return
-        index = self._index(batch_size, num_tokens, drafting)
-        weight = self.weight[index] * self.decay
+        """Fold in steps in the order they ran, with the cost model's prediction for each."""
+        per_request = np.clip(np.rint(num_tokens / batch_size), 1, self.max_k + 1).astype(int)
         # Clipped like the model's own inputs: one stall must not condemn a shape.
-        ratio = min(seconds / predicted, StepCostModel.outlier_factor)
-        self.ratio[index] = (self.ratio[index] * weight + ratio) / (weight + 1)
-        self.weight[index] = weight + 1
-        self.last_seen[index] = step
+        ratios = np.minimum(
+            seconds / np.where(predicted > 0, predicted, 1.0), StepCostModel.outlier_factor
+        )
+        rows = zip(
+            batch_bucket(batch_size).tolist(),
+            per_request.tolist(),
+            drafting.astype(int).tolist(),
+            ratios.tolist(),
+            (predicted > 0).tolist(),
+            steps.tolist(),
+            strict=True,
+        )
+        for bucket, per_step, kind, ratio, valid, step in rows:
+            if not valid:
+                continue
+            index = (bucket, per_step, kind)
+            weight = self.weight[index] * self.decay
+            self.ratio[index] = (self.ratio[index] * weight + ratio) / (weight + 1)
+            self.weight[index] = weight + 1
+            self.last_seen[index] = step
 
     def table(self, max_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Per batch size 0..max (rows) and K = 0..max_k (columns) of a decoding step: the

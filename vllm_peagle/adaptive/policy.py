@@ -82,7 +82,8 @@ class AdaptiveConfig:
     cost_refresh_steps: int = 512
     """Decoding steps after which a measured step shape is measured again."""
     update_interval_steps: int = 4
-    """Decoding steps between re-evaluations of the K table."""
+    """Decoding steps between re-evaluations of the K table (4x as many while no step
+    verifies drafts: plain decoding steps bring only step times)."""
     log_interval_s: float = 10.0
     """Seconds between log lines with the policy's state (0 disables them)."""
 
@@ -248,6 +249,9 @@ class KController:
     :meth:`observe_step` with each step's outcome.
     """
 
+    plain_update_factor = 4
+    """While no step verifies drafts, the table is re-evaluated this many times less often."""
+
     def __init__(
         self,
         max_k: int,
@@ -296,6 +300,9 @@ class KController:
         """Of those, accepted."""
         self.history: deque[tuple[int, int, int]] = deque(maxlen=4096)
         """Recent steps as (batch size, K drafted after the step, the policy's K for it)."""
+        self._step_times: list[tuple[int, int, bool, float, int]] = []
+        """Decoding step times not yet folded into the cost model."""
+        self._verified_since_update = False
 
     @property
     def calibrating(self) -> bool:
@@ -315,7 +322,7 @@ class KController:
         if self.calibrating:
             self._fill_lookup(self.calibration[step])
             return
-        if step % self.config.update_interval_steps == 0:
+        if self._policy_update_due(step):
             self._update_policy()
         # Probes only measure decoding steps, and a step admitting prompts would draft over
         # them too (the dearest drafting there is): while requests wait, nothing probes.
@@ -346,6 +353,15 @@ class KController:
             self._lookup_is_policy = True
             self._lookup_fill = None
 
+    def _policy_update_due(self, step: int) -> bool:
+        interval = self.config.update_interval_steps
+        if step % interval:
+            return False
+        # Steps that verify drafts bring acceptance news every step; plain decoding steps
+        # bring only step times, which the cost model averages over hundreds of steps, so
+        # re-evaluating after each few of them would only add work to short steps.
+        return self._verified_since_update or step % (self.plain_update_factor * interval) == 0
+
     def _fill_lookup(self, k: int) -> None:
         # Under sustained load requests always wait: rewrite the table only when K changes.
         if self._lookup_fill != k:
@@ -370,16 +386,29 @@ class KController:
         )
         # The first steps of an engine pay one-off costs (kernel selection, allocator warm-up).
         if seconds is not None and seconds > 0 and self.decode_steps > self.warmup_steps:
-            drafting = drafted_k > 0
-            if self.cost.trusted:
-                predicted = self.cost.predict_step(num_tokens, batch_size, drafting)
-                self.correction.observe(
-                    num_tokens, batch_size, drafting, seconds, predicted, self.decode_steps
-                )
-            self.cost.observe(num_tokens, batch_size, drafting, seconds)
+            # Folded into the cost model when the policy next reads it: this runs on the
+            # engine's critical path, where a step at batch size 1 can take a few ms.
+            self._step_times.append(
+                (num_tokens, batch_size, drafted_k > 0, seconds, self.decode_steps)
+            )
         self.acceptance.observe_step(verifications)
-        self.verified_drafts += sum(drafts for drafts, _ in verifications)
-        self.accepted_drafts += sum(accepted for _, accepted in verifications)
+        if verifications:
+            self._verified_since_update = True
+            self.verified_drafts += sum(drafts for drafts, _ in verifications)
+            self.accepted_drafts += sum(accepted for _, accepted in verifications)
+
+    def _fold_step_times(self) -> None:
+        pending = np.array(self._step_times, dtype=float).reshape(-1, 5)
+        self._step_times = []
+        while len(pending):
+            # Steps before the model is trusted only fit it; those after are also compared
+            # with its prediction (the correction), as if folded in one at a time.
+            untrusted = max(self.cost.trusted_after - self.cost.num_observations, 0)
+            split = untrusted or len(pending)
+            (tokens, batch, drafting, seconds, steps), pending = pending[:split].T, pending[split:]
+            predicted = self.cost.observe_many(tokens, batch, drafting > 0, seconds)
+            if predicted is not None:
+                self.correction.observe_many(tokens, batch, drafting > 0, seconds, predicted, steps)
 
     def observe_requests(
         self, prompt_tokens: int, admitted: int, output_tokens: int, finished: int
@@ -398,6 +427,8 @@ class KController:
         return (k > 0) * batch * (per_token * share) * gains[None, :]
 
     def _update_policy(self) -> None:
+        self._fold_step_times()
+        self._verified_since_update = False
         alphas = self.acceptance.conditional()
         gains = expected_tokens_table(alphas, self.max_k)
         correction, last_measured = self.correction.table(self.max_batch_size)
@@ -428,6 +459,7 @@ class KController:
 
     def summary(self, batch_size: int) -> str:
         """One log line: K for this batch size, acceptance, predicted gain and step times."""
+        self._fold_step_times()
         batch_size = max(1, min(batch_size, self.max_batch_size))
         k = self.policy_k[batch_size]
         alphas = self.acceptance.conditional()
