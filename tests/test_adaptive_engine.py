@@ -85,8 +85,30 @@ def test_k_falls_when_drafts_stop_being_accepted(adaptive_engine):
     steps_before = len(controller.history)
     # At temperature 2 the target samples nearly uniformly: nothing a drafter can predict.
     params = SamplingParams(temperature=2.0, max_tokens=96, ignore_eos=True, seed=1)
-    llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    updates = {"while a step runs": 0, "while scheduling": 0}
+    running_ahead = [False]
+    update_policy, update_ahead = controller._update_policy, controller.update_ahead
+
+    def counting_update(step=None):
+        updates["while a step runs" if running_ahead[0] else "while scheduling"] += 1
+        update_policy(step)
+
+    def counting_ahead():
+        running_ahead[0] = True
+        try:
+            update_ahead()
+        finally:
+            running_ahead[0] = False
+
+    controller._update_policy, controller.update_ahead = counting_update, counting_ahead
+    try:
+        llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    finally:
+        del controller._update_policy, controller.update_ahead
     policy = [k for batch, _, k in list(controller.history)[steps_before:] if batch == 4]
     steps_to_zero = policy.index(0)
     assert steps_to_zero <= 64, policy
     assert policy[-1] == 0, policy
+    # The scheduler runs the policy's updates while the workers execute a step, off the
+    # engine's critical path (AdaptiveKMixin.get_grammar_bitmask).
+    assert updates["while a step runs"] >= 5 and updates["while scheduling"] == 0, updates

@@ -6,7 +6,12 @@ import math
 import numpy as np
 import pytest
 
-from vllm_peagle.adaptive.estimates import AcceptanceEstimate, StepCostModel, expected_tokens
+from vllm_peagle.adaptive.estimates import (
+    AcceptanceEstimate,
+    CostCorrection,
+    StepCostModel,
+    expected_tokens,
+)
 from vllm_peagle.adaptive.policy import AdaptiveConfig, KController, best_k, rate_table
 
 
@@ -118,9 +123,9 @@ def test_plain_decoding_reevaluates_the_table_less_often_than_drafting():
     calls: list[int] = []
     update = controller._update_policy
 
-    def counting_update() -> None:
+    def counting_update(step: int | None = None) -> None:
         calls.append(controller.decode_steps)
-        update()
+        update(step)
 
     controller._update_policy = counting_update
     for _ in range(400):  # a drafter that predicts nothing: plain decoding but for probes
@@ -137,9 +142,9 @@ def test_plain_decoding_reevaluates_the_table_less_often_than_drafting():
     drafting_calls: list[int] = []
     update_drafting = drafting._update_policy
 
-    def counting_drafting_update() -> None:
+    def counting_drafting_update(step: int | None = None) -> None:
         drafting_calls.append(drafting.decode_steps)
-        update_drafting()
+        update_drafting(step)
 
     drafting._update_policy = counting_drafting_update
     for _ in range(400):  # a drafter that predicts well: every step verifies drafts
@@ -262,6 +267,69 @@ def test_k_falls_when_acceptance_collapses_and_rises_when_it_recovers():
     steps_to_rise = next(i for i, k in enumerate(after_recovery) if k >= 5)
     # Recovery is seen through probes (every 16 steps), one more position per probe.
     assert steps_to_rise <= 160, after_recovery[:180]
+
+
+class OverlappingEngine(SimulatedEngine):
+    """As the adaptive scheduler drives the controller: the policy's update runs while the
+    step executes (``update_ahead``), and ``before_step`` only reads the table."""
+
+    def __init__(self, controller: KController, batch: int) -> None:
+        super().__init__(controller, batch)
+        self.updates_in_before_step = 0
+        self.updates_ahead = 0
+        update = controller._update_policy
+
+        def counting_update(step: int | None = None) -> None:
+            if self.in_flight:
+                self.updates_ahead += 1
+            elif not controller.calibrating:
+                self.updates_in_before_step += 1
+            update(step)
+
+        controller._update_policy = counting_update
+        self.in_flight = False
+
+    def seconds(self, coefficients, k: int, verified: int) -> float:
+        self.in_flight = True
+        self.controller.update_ahead()
+        self.in_flight = False
+        return super().seconds(coefficients, k, verified)
+
+
+def test_policy_updates_run_while_the_step_executes_and_still_follow_acceptance():
+    engine = OverlappingEngine(KController(7, 16, AdaptiveConfig()), batch=4)
+    good, collapsed = np.full(7, 0.85), np.full(7, 0.02)
+    for _ in range(200):
+        engine.step(good, COSTS)
+    assert engine.k_history[-1] >= 5, engine.k_history[-20:]
+    settled = len(engine.k_history)
+    for _ in range(200):
+        engine.step(collapsed, COSTS)
+    after_collapse = engine.k_history[settled:]
+    steps_to_fall = next(i for i, k in enumerate(after_collapse) if k == 0)
+    assert steps_to_fall <= 64, after_collapse[:80]  # as without the overlap
+    assert engine.updates_ahead > 20
+    assert engine.updates_in_before_step == 0
+
+
+def test_cost_correction_folds_a_batch_as_it_would_one_step_at_a_time():
+    rng = np.random.default_rng(7)
+    count = 12
+    batch = rng.integers(1, 5, count).astype(float)
+    tokens = batch * (1 + rng.integers(0, 3, count))
+    drafting = tokens > batch
+    seconds, predicted = rng.uniform(0.005, 0.02, count), rng.uniform(0.005, 0.02, count)
+    steps = np.arange(count, dtype=float)
+    batched, one_by_one = CostCorrection(8, 4), CostCorrection(8, 4)
+    batched.observe_many(tokens, batch, drafting, seconds, predicted, steps)
+    for i in range(count):
+        one_by_one.observe_many(
+            *(a[i : i + 1] for a in (tokens, batch, drafting, seconds, predicted, steps))
+        )
+    np.testing.assert_allclose(batched.ratio, one_by_one.ratio, rtol=1e-12)
+    np.testing.assert_allclose(batched.weight, one_by_one.weight, rtol=1e-12)
+    np.testing.assert_array_equal(batched.last_seen, one_by_one.last_seen)
+    assert (batched.weight > 0).sum() > 2  # several shapes were folded
 
 
 # CPU-like costs of a small target: per-request drafting is dear (every K_max slot runs).
@@ -414,7 +482,7 @@ def test_no_probe_drafts_over_prompts_while_requests_wait():
     controller.policy_k = [0] * 65
     controller.probe_k = np.full(65, 7)  # every batch size due for a probe this step
     controller.probe_interval = np.full(65, 16)
-    controller._update_policy = lambda: None  # keep the forced plan
+    controller._update_policy = lambda step=None: None  # keep the forced plan
     controller.before_step(heading_batch=64)
     assert set(controller.lookup) == {0}
     controller.before_step()

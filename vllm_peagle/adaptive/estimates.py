@@ -246,23 +246,27 @@ class CostCorrection:
         ratios = np.minimum(
             seconds / np.where(predicted > 0, predicted, 1.0), StepCostModel.outlier_factor
         )
-        rows = zip(
-            batch_bucket(batch_size).tolist(),
-            per_request.tolist(),
-            drafting.astype(int).tolist(),
-            ratios.tolist(),
-            (predicted > 0).tolist(),
-            steps.tolist(),
+        valid = predicted > 0
+        shapes = zip(
+            batch_bucket(batch_size[valid]).tolist(),
+            per_request[valid].tolist(),
+            drafting[valid].astype(int).tolist(),
             strict=True,
         )
-        for bucket, per_step, kind, ratio, valid, step in rows:
-            if not valid:
-                continue
-            index = (bucket, per_step, kind)
-            weight = self.weight[index] * self.decay
-            self.ratio[index] = (self.ratio[index] * weight + ratio) / (weight + 1)
-            self.weight[index] = weight + 1
-            self.last_seen[index] = step
+        # A batch of steps holds few shapes: fold each shape's steps as plain floats.
+        folded: dict[tuple[int, int, int], list[float]] = {}
+        for index, ratio, step in zip(
+            shapes, ratios[valid].tolist(), steps[valid].tolist(), strict=True
+        ):
+            state = folded.setdefault(
+                index, [float(self.ratio[index]), float(self.weight[index]), 0]
+            )
+            weight = state[1] * self.decay
+            state[0] = (state[0] * weight + ratio) / (weight + 1)
+            state[1] = weight + 1
+            state[2] = step
+        for index, (ratio, weight, step) in folded.items():
+            self.ratio[index], self.weight[index], self.last_seen[index] = ratio, weight, step
 
     def table(self, max_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Per batch size 0..max (rows) and K = 0..max_k (columns) of a decoding step: the

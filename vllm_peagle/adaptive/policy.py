@@ -303,6 +303,8 @@ class KController:
         self._step_times: list[tuple[int, int, bool, float, int]] = []
         """Decoding step times not yet folded into the cost model."""
         self._verified_since_update = False
+        self._updated_for = -1
+        """The step the table was last re-evaluated for."""
 
     @property
     def calibrating(self) -> bool:
@@ -323,7 +325,7 @@ class KController:
             self._fill_lookup(self.calibration[step])
             return
         if self._policy_update_due(step):
-            self._update_policy()
+            self._update_policy(step)
         # Probes only measure decoding steps, and a step admitting prompts would draft over
         # them too (the dearest drafting there is): while requests wait, nothing probes.
         second_step, self._probe_second_step = self._probe_second_step, None
@@ -353,9 +355,21 @@ class KController:
             self._lookup_is_policy = True
             self._lookup_fill = None
 
+    def update_ahead(self) -> None:
+        """Re-evaluate the table now if the next step is due to, while the step in flight runs.
+
+        The scheduler calls this once the step is dispatched to the workers: the engine core
+        would only wait for them, and the next scheduling finds the work done (it is on
+        the critical path there, and on a busy CPU host costs a millisecond and more). It
+        sees the observations up to the step before the one in flight.
+        """
+        step = self.decode_steps + 1  # as before_step will see it, once this step is observed
+        if step >= len(self.calibration) and self._policy_update_due(step):
+            self._update_policy(step)
+
     def _policy_update_due(self, step: int) -> bool:
         interval = self.config.update_interval_steps
-        if step % interval:
+        if step % interval or self._updated_for == step:
             return False
         # Steps that verify drafts bring acceptance news every step; plain decoding steps
         # bring only step times, which the cost model averages over hundreds of steps, so
@@ -426,7 +440,8 @@ class KController:
         k = np.arange(self.max_k + 1)[None, :]
         return (k > 0) * batch * (per_token * share) * gains[None, :]
 
-    def _update_policy(self) -> None:
+    def _update_policy(self, step: int | None = None) -> None:
+        self._updated_for = self.decode_steps if step is None else step
         self._fold_step_times()
         self._verified_since_update = False
         alphas = self.acceptance.conditional()

@@ -95,6 +95,15 @@ class AdaptiveKMixin:
             )
         return output
 
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        # vLLM's engine core calls this once a step is dispatched to the workers, in both its
+        # synchronous and its batch-queue loop: the policy's periodic work runs while they
+        # execute instead of delaying the next step.
+        grammar_output = super().get_grammar_bitmask(scheduler_output)
+        if self.k_controller is not None and scheduler_output.total_num_scheduled_tokens:
+            self.k_controller.update_ahead()
+        return grammar_output
+
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         if self.k_controller is not None:
             self._observe(scheduler_output, model_runner_output)
