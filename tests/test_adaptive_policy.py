@@ -116,9 +116,9 @@ def test_step_cost_model_batch_clips_stalls_against_the_fit_before_it():
     assert model.predict(1, 2) < 2 * before
 
 
-def test_plain_decoding_reevaluates_the_table_less_often_than_drafting():
-    config = AdaptiveConfig()
-    controller = KController(4, 4, config)
+def update_steps(alphas: np.ndarray, steps: int = 400) -> list[int]:
+    """The steps at which the K table was re-evaluated, over ``steps`` simulated steps."""
+    controller = KController(4, 4, AdaptiveConfig())
     engine = SimulatedEngine(controller, batch=2)
     calls: list[int] = []
     update = controller._update_policy
@@ -128,28 +128,21 @@ def test_plain_decoding_reevaluates_the_table_less_often_than_drafting():
         update(step)
 
     controller._update_policy = counting_update
-    for _ in range(400):  # a drafter that predicts nothing: plain decoding but for probes
-        engine.step(np.full(4, 0.01), COSTS)
-    plain_steps = [s for s in calls if s > 200]
-    interval = config.update_interval_steps
-    spacing = np.diff(plain_steps)
+    for _ in range(steps):
+        engine.step(alphas, COSTS)
+    return calls
+
+
+def test_plain_decoding_reevaluates_the_table_less_often_than_drafting():
+    interval = AdaptiveConfig().update_interval_steps
+    # A drafter that predicts nothing: plain decoding but for probes.
+    spacing = np.diff([s for s in update_steps(np.full(4, 0.01)) if s > 200])
     # Every 4x the interval (AdaptiveConfig.update_interval_steps says so); after a probe's
     # verification, once more at the next interval.
-    assert spacing.max() == 4 * interval, plain_steps
+    assert spacing.max() == 4 * interval, spacing
     assert set(spacing) <= {interval, 2 * interval, 3 * interval, 4 * interval}
-    drafting = KController(4, 4, config)
-    engine = SimulatedEngine(drafting, batch=2)
-    drafting_calls: list[int] = []
-    update_drafting = drafting._update_policy
-
-    def counting_drafting_update(step: int | None = None) -> None:
-        drafting_calls.append(drafting.decode_steps)
-        update_drafting(step)
-
-    drafting._update_policy = counting_drafting_update
-    for _ in range(400):  # a drafter that predicts well: every step verifies drafts
-        engine.step(np.full(4, 0.9), COSTS)
-    assert set(np.diff([s for s in drafting_calls if s > 200])) == {interval}
+    # A drafter that predicts well: every step verifies drafts.
+    assert set(np.diff([s for s in update_steps(np.full(4, 0.9)) if s > 200])) == {interval}
 
 
 def test_step_cost_model_clips_stalls():
