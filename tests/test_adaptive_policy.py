@@ -235,27 +235,34 @@ class SimulatedEngine:
 
 
 COSTS = (5e-3, 1e-4, 1e-3, 2e-5)  # drafting pays when acceptance is good, not when it is poor
+AGREEING = np.full(7, 0.85)
+"""Conditional acceptance of a drafter the target mostly agrees with."""
+
+
+def collapse_acceptance(engine: SimulatedEngine) -> tuple[list[int], int]:
+    """200 steps of a drafter the target agrees with, then 200 of one it never does: the
+    policy's K after the collapse and the steps it took to reach 0."""
+    for _ in range(200):
+        engine.step(AGREEING, COSTS)
+    assert engine.k_history[-1] >= 5, engine.k_history[-20:]
+    settled = len(engine.k_history)
+    for _ in range(200):
+        engine.step(np.full(7, 0.02), COSTS)
+    after_collapse = engine.k_history[settled:]
+    return after_collapse, next(i for i, k in enumerate(after_collapse) if k == 0)
 
 
 def test_k_falls_when_acceptance_collapses_and_rises_when_it_recovers():
     config = AdaptiveConfig()
     engine = SimulatedEngine(KController(7, 16, config), batch=4)
-    good, collapsed = np.full(7, 0.85), np.full(7, 0.02)
-    for _ in range(200):
-        engine.step(good, COSTS)
-    assert engine.k_history[-1] >= 5, engine.k_history[-20:]
-    settled = len(engine.k_history)
-    for _ in range(200):
-        engine.step(collapsed, COSTS)
-    after_collapse = engine.k_history[settled:]
-    steps_to_fall = next(i for i, k in enumerate(after_collapse) if k == 0)
+    after_collapse, steps_to_fall = collapse_acceptance(engine)
     # ~2 acceptance half-lives (16 steps each) bring alpha_1 from 0.85 below the break-even.
     assert steps_to_fall <= 64, after_collapse[:80]
     # Probes keep trying one draft; the K stays at 0 between them (no flapping back up).
     assert max(after_collapse[steps_to_fall:]) == 0
     recovered_at = len(engine.k_history)
     for _ in range(300):
-        engine.step(good, COSTS)
+        engine.step(AGREEING, COSTS)
     after_recovery = engine.k_history[recovered_at:]
     steps_to_rise = next(i for i, k in enumerate(after_recovery) if k >= 5)
     # Recovery is seen through probes (every 16 steps), one more position per probe.
@@ -291,15 +298,7 @@ class OverlappingEngine(SimulatedEngine):
 
 def test_policy_updates_run_while_the_step_executes_and_still_follow_acceptance():
     engine = OverlappingEngine(KController(7, 16, AdaptiveConfig()), batch=4)
-    good, collapsed = np.full(7, 0.85), np.full(7, 0.02)
-    for _ in range(200):
-        engine.step(good, COSTS)
-    assert engine.k_history[-1] >= 5, engine.k_history[-20:]
-    settled = len(engine.k_history)
-    for _ in range(200):
-        engine.step(collapsed, COSTS)
-    after_collapse = engine.k_history[settled:]
-    steps_to_fall = next(i for i, k in enumerate(after_collapse) if k == 0)
+    after_collapse, steps_to_fall = collapse_acceptance(engine)
     assert steps_to_fall <= 64, after_collapse[:80]  # as without the overlap
     assert engine.updates_ahead > 20
     assert engine.updates_in_before_step == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 
 def decay_for_half_life(half_life_steps: float) -> float:
@@ -140,9 +141,14 @@ class StepCostModel:
         self._fitted_at = 0
 
     @staticmethod
-    def features(num_tokens: float, batch_size: float, drafting: bool) -> np.ndarray:
-        drafts = 1.0 if drafting else 0.0
-        return np.array([1.0, num_tokens, drafts, batch_size * drafts, num_tokens * drafts])
+    def features(num_tokens: ArrayLike, batch_size: ArrayLike, drafting: ArrayLike) -> np.ndarray:
+        """One row of regressors per step (scalars give one row, arrays one row each)."""
+        tokens = np.asarray(num_tokens, dtype=float)
+        drafts = np.asarray(drafting, dtype=float)
+        batch = np.asarray(batch_size, dtype=float)
+        return np.stack(
+            [np.ones_like(drafts), tokens, drafts, batch * drafts, tokens * drafts], axis=-1
+        )
 
     @property
     def trusted(self) -> bool:
@@ -150,8 +156,8 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, batch_size: int, drafting: bool, seconds: float) -> None:
         self.observe_many(
-            np.array([float(num_tokens)]),
-            np.array([float(batch_size)]),
+            np.array([num_tokens]),
+            np.array([batch_size]),
             np.array([drafting]),
             np.array([seconds]),
         )
@@ -165,11 +171,7 @@ class StepCostModel:
     ) -> np.ndarray | None:
         """Fold in steps in the order they ran; returns what the fit before them predicted
         for each (None while the model is not yet trusted)."""
-        drafts = drafting.astype(float)
-        x = np.stack(
-            [np.ones_like(drafts), num_tokens, drafts, batch_size * drafts, num_tokens * drafts],
-            axis=1,
-        )
+        x = self.features(num_tokens, batch_size, drafting)
         predicted = None
         if self.trusted:
             # A stall (first use of a kernel shape, another process taking the CPU, a GC
