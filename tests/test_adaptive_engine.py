@@ -93,10 +93,10 @@ def test_k_falls_when_drafts_stop_being_accepted(adaptive_engine):
         updates["while a step runs" if running_ahead[0] else "while scheduling"] += 1
         update_policy(step)
 
-    def counting_ahead():
+    def counting_ahead(verifying):
         running_ahead[0] = True
         try:
-            update_ahead()
+            update_ahead(verifying)
         finally:
             running_ahead[0] = False
 

@@ -291,7 +291,7 @@ class OverlappingEngine(SimulatedEngine):
 
     def seconds(self, coefficients, k: int, verified: int) -> float:
         self.in_flight = True
-        self.controller.update_ahead()
+        self.controller.update_ahead(verifying=verified > 0)
         self.in_flight = False
         return super().seconds(coefficients, k, verified)
 
@@ -302,6 +302,20 @@ def test_policy_updates_run_while_the_step_executes_and_still_follow_acceptance(
     assert steps_to_fall <= 64, after_collapse[:80]  # as without the overlap
     assert engine.updates_ahead > 20
     assert engine.updates_in_before_step == 0
+    # Drafting resumes after a plain stretch, its first verification at each step phase: the
+    # step in flight verifies drafts, so the update it makes due still runs ahead.
+    controller = engine.controller
+    for offset in range(4):
+        # A plain stretch that a plain-decoding update ends (every 16 steps), then offset more.
+        for _ in range(16):
+            engine.step(np.full(7, 0.02), COSTS)
+        while controller.decode_steps % 16 != 1 + offset:
+            engine.step(np.full(7, 0.02), COSTS)
+        controller.policy_k[:] = controller.lookup[:] = [7] * 17
+        for _ in range(8):
+            engine.step(AGREEING, COSTS)
+        controller.policy_k[:] = controller.lookup[:] = [0] * 17
+        assert engine.updates_in_before_step == 0, offset
 
 
 def test_cost_correction_folds_a_batch_as_it_would_one_step_at_a_time():

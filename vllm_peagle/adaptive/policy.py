@@ -355,26 +355,31 @@ class KController:
             self._lookup_is_policy = True
             self._lookup_fill = None
 
-    def update_ahead(self) -> None:
+    def update_ahead(self, verifying: bool) -> None:
         """Re-evaluate the table now if the next step is due to, while the step in flight runs.
 
         The scheduler calls this once the step is dispatched to the workers: the engine core
         would only wait for them, and the next scheduling finds the work done (it is on
         the critical path there, and on a busy CPU host costs a millisecond and more). It
-        sees the observations up to the step before the one in flight.
+        sees the observations up to the step before the one in flight; ``verifying`` says
+        whether that step verifies drafts (its news makes the next step's update due).
         """
         step = self.decode_steps + 1  # as before_step will see it, once this step is observed
-        if step >= len(self.calibration) and self._policy_update_due(step):
+        if step >= len(self.calibration) and self._policy_update_due(step, verifying):
             self._update_policy(step)
 
-    def _policy_update_due(self, step: int) -> bool:
+    def _policy_update_due(self, step: int, verifying: bool = False) -> bool:
         interval = self.config.update_interval_steps
         if step % interval or self._updated_for == step:
             return False
         # Steps that verify drafts bring acceptance news every step; plain decoding steps
         # bring only step times, which the cost model averages over hundreds of steps, so
         # re-evaluating after each few of them would only add work to short steps.
-        return self._verified_since_update or step % (self.plain_update_factor * interval) == 0
+        return (
+            verifying
+            or self._verified_since_update
+            or step % (self.plain_update_factor * interval) == 0
+        )
 
     def _fill_lookup(self, k: int) -> None:
         # Under sustained load requests always wait: rewrite the table only when K changes.

@@ -101,7 +101,7 @@ class AdaptiveKMixin:
         # execute instead of delaying the next step.
         grammar_output = super().get_grammar_bitmask(scheduler_output)
         if self.k_controller is not None and scheduler_output.total_num_scheduled_tokens:
-            self.k_controller.update_ahead()
+            self.k_controller.update_ahead(bool(scheduler_output.scheduled_spec_decode_tokens))
         return grammar_output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
