@@ -495,6 +495,29 @@ def test_no_probe_drafts_over_prompts_while_requests_wait():
     assert set(controller.lookup) == {7}
 
 
+def test_probes_keep_their_interval_while_it_drifts():
+    # The interval follows the cost model, so it drifts by a few multiples of 16 steps; probes
+    # must still come about once per interval, not at every step that one of its recent
+    # values happens to divide.
+    controller = KController(7, 64, AdaptiveConfig())
+    controller.policy_k = [0] * 65
+    controller.lookup[:] = controller.policy_k
+    controller.probe_k = np.full(65, 7)
+    controller.cost_probe_k = np.zeros(65, dtype=int)  # no cost probes: probes alone
+    controller._update_policy = lambda step=None: None
+    start = len(controller.calibration)
+    probes = []
+    for step in range(start, start + 4000):
+        controller.decode_steps = step
+        controller.probe_interval = np.full(65, 368 + 16 * ((step // 16) % 4))
+        controller.before_step()
+        if controller.lookup[32] == 7:
+            probes.append(step)
+    gaps = np.diff(probes)
+    assert len(probes) >= 4000 // 416 - 1
+    assert gaps.min() >= 368, probes
+
+
 def test_drafter_compute_ratio_counts_projections():
     from types import SimpleNamespace
 

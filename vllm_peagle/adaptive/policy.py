@@ -283,6 +283,9 @@ class KController:
         self.cost_probe_k = np.array(self.policy_k)
         """The K of a cost probe per batch size (the policy's K where none is due)."""
         self.cost_probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
+        self._last_probe = np.zeros(max_batch_size + 1, dtype=int)
+        self._last_cost_probe = np.zeros(max_batch_size + 1, dtype=int)
+        """Decoding step of each batch size's last probe (or skipped probe) of each kind."""
         self._probe_second_step: list[int] | None = None
         """A cost probe's table, held for its second step (its first only drafts)."""
         half = max(1, (max_k + 1) // 2)
@@ -333,11 +336,19 @@ class KController:
             self.lookup[:] = second_step
             return
         # Probe intervals are multiples of probe_interval_steps: no other step can probe.
+        # A probe comes due a whole interval after the last one (not when the step count is
+        # a multiple of the interval: intervals drift with the cost model, and a step count
+        # near one would be a multiple of each new value in turn, probing every few steps).
+        # A batch size not running when its probe is due skips that probe.
         if heading_batch is None and step % self.config.probe_interval_steps == 0:
-            probing = step % self.probe_interval == 0
-            cost_probing = (step % self.cost_probe_interval == 0) & (
+            probing = (step - self._last_probe >= self.probe_interval) & (
+                self.probe_k != self.policy_k
+            )
+            cost_probing = (step - self._last_cost_probe >= self.cost_probe_interval) & (
                 self.cost_probe_k != self.policy_k
             )
+            self._last_probe[probing] = step
+            self._last_cost_probe[cost_probing] = step
             if probing.any() or cost_probing.any():
                 policy_or_probe = np.where(probing, self.probe_k, self.policy_k)
                 self.lookup[:] = np.where(cost_probing, self.cost_probe_k, policy_or_probe).tolist()
