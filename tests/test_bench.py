@@ -251,6 +251,53 @@ def test_bench_smoke_on_tiny_models(local_models, trained_peagle, tmp_path):
     assert "P-EAGLE (ours) tok/s" in (tmp_path / "smoke.md").read_text()
 
 
+@pytest.mark.engine
+def test_bench_fresh_servers_start_new_processes_for_each_repeat(local_models, tmp_path):
+    """--fresh-servers: every repeat runs on servers started for it, and ratios still pair
+    the runs of one repeat."""
+    from vllm_peagle.cli import main
+
+    argv = [
+        "bench",
+        "--models",
+        "tiny",
+        "--target",
+        str(local_models.target),
+        "--peagle-drafter",
+        str(local_models.peagle_native),
+        "--eagle3-drafter",
+        str(local_models.eagle3),
+        "-k",
+        "2",
+        "--configs",
+        "none,peagle",
+        "--concurrency",
+        "1",
+        "--temperatures",
+        "0",
+        "--repeats",
+        "2",
+        "--fresh-servers",
+        "--max-tokens",
+        "8",
+        "--out-dir",
+        str(tmp_path),
+        "--name",
+        "fresh",
+        "--no-plots",
+    ]
+    assert main(argv) == 0
+    runs = json.loads((tmp_path / "fresh.json").read_text())["runs"]
+    assert sorted((r["config"], r["repeat"]) for r in runs) == [
+        ("none", 0),
+        ("none", 1),
+        ("peagle", 0),
+        ("peagle", 1),
+    ]
+    logs = sorted(p.name.split("-")[0] for p in (tmp_path / "fresh_logs").glob("*.log"))
+    assert logs == ["none", "none", "peagle", "peagle"]  # one server per config and repeat
+
+
 def test_results_page_is_computed_from_the_json(tmp_path):
     """RESULTS.md: verdicts against the issue targets follow the measured ratios."""
     from vllm_peagle.bench.results import render

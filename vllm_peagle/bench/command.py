@@ -74,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep every K's servers up for the whole sweep (one start-up phase)",
     )
     p.add_argument(
+        "--fresh-servers",
+        action="store_true",
+        help="restart every server for each repeat (a server's speed on a small CPU host "
+        "depends on where its processes land; repeats then sample that instead of sharing it)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=1800.0,
@@ -112,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         start_timeout_s=args.start_timeout,
         start_one_at_a_time=args.start_one_at_a_time,
         all_k_at_once=args.all_k_at_once,
+        fresh_servers=args.fresh_servers,
         request_seeds=args.request_seeds,
     )
     t0 = time.perf_counter()

@@ -6,6 +6,8 @@ next repeat starts (round-robin, starting configuration rotated per repeat). Rat
 then taken within a repeat, between runs that saw the same load from the rest of the
 machine. A configuration that does not depend on K (no speculation) keeps its server
 across K groups but is measured again in every group, so every group has its own baseline.
+With ``fresh_servers`` each repeat is a pass over every temperature and concurrency on
+servers started for it, so a server's luck of placement is not shared by all repeats.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ class SweepSettings:
     device-wide free memory, which other servers starting alongside would disturb)."""
     all_k_at_once: bool = False
     """Keep the servers of every K up for the whole sweep (one start-up phase, more memory)."""
+    fresh_servers: bool = False
+    """Start every server afresh for each repeat (repeats become passes over every
+    temperature and concurrency). Two identical plain servers on a 2-core host measured
+    0.74-1.22x of each other, run for run, and kept a 10 % gap over a whole session: a
+    server's speed depends on where its processes landed. Fresh servers per repeat turn that
+    into noise the median over repeats removes, instead of a bias every repeat shares."""
 
     def requests(self, concurrency: int) -> int:
         return max(self.min_requests, concurrency * self.requests_per_client)
@@ -204,6 +212,60 @@ def run_sweep(
             )
 
     bar = tqdm(total=settings.total_runs(), desc="bench", disable=not progress, unit="run")
+
+    def warm_up_at(
+        pool: ServerPool, temperature: float, configs: list[BenchConfig], k: int
+    ) -> None:
+        # Acceptance changes with the temperature: adaptive K re-learns it (within tens of
+        # steps, tests/test_adaptive_engine.py), which would dominate runs this short. Every
+        # server gets the same discarded warm-up at the new temperature, so the runs measure
+        # steady state.
+        bar.set_description(f"bench K={k} T={temperature}: warm-up")
+        for config in configs:
+            run_load(
+                pool.server(config).base_url,
+                pool.server(config).model,
+                prompts[: settings.warmup_requests],
+                concurrency=1,
+                max_tokens=settings.max_tokens,
+                temperature=temperature,
+            )
+
+    def run_round(
+        pool: ServerPool,
+        k: int,
+        temperature: float,
+        c: int,
+        repeat: int,
+        configs: list[BenchConfig],
+    ) -> None:
+        """Every configuration once at (temperature, c), back to back, start rotated."""
+        batch = prompts[: settings.requests(c)]
+        shift = repeat % len(configs)
+        for config in configs[shift:] + configs[:shift]:
+            bar.set_description(f"bench K={k} T={temperature} c={c} {config.name}")
+            run = measure(
+                pool.server(config),
+                batch,
+                concurrency=c,
+                max_tokens=settings.max_tokens,
+                temperature=temperature,
+                seed=settings.seed + 1000 * repeat if settings.request_seeds else None,
+            )
+            record = {
+                "config": config.name,
+                "k": k,
+                "temperature": temperature,
+                "concurrency": c,
+                "repeat": repeat,
+                **run,
+            }
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+            bar.set_postfix(tok_s=f"{run['output_tok_s']:.0f}")
+            bar.update(1)
+
     with (
         bar,
         server_pool(
@@ -216,58 +278,24 @@ def run_sweep(
     ):
         for k in settings.ks:
             configs = resolve(list(settings.configs), k, models)
-            bar.set_description(f"bench K={k}: starting servers")
-            if settings.all_k_at_once:
-                every_k = [
-                    c for kk in settings.ks for c in resolve(list(settings.configs), kk, models)
-                ]
+            every_k = (
+                [c for kk in settings.ks for c in resolve(list(settings.configs), kk, models)]
+                if settings.all_k_at_once
+                else configs
+            )
+            passes = (
+                [[r] for r in range(settings.repeats)]
+                if settings.fresh_servers
+                else [list(range(settings.repeats))]
+            )
+            for repeats in passes:
+                if settings.fresh_servers:
+                    pool.close()
+                bar.set_description(f"bench K={k}: starting servers")
                 pool.ensure(every_k, warmup)
-            else:
-                pool.ensure(configs, warmup)
-            for temperature in settings.temperatures:
-                # Acceptance changes with the temperature: adaptive K re-learns it (within
-                # tens of steps, tests/test_adaptive_engine.py), which would dominate runs this
-                # short. Every server gets the same discarded warm-up at the new temperature,
-                # so the runs measure steady state.
-                bar.set_description(f"bench K={k} T={temperature}: warm-up")
-                for config in configs:
-                    run_load(
-                        pool.server(config).base_url,
-                        pool.server(config).model,
-                        prompts[: settings.warmup_requests],
-                        concurrency=1,
-                        max_tokens=settings.max_tokens,
-                        temperature=temperature,
-                    )
-                for c in settings.concurrency:
-                    batch = prompts[: settings.requests(c)]
-                    for repeat in range(settings.repeats):
-                        shift = repeat % len(configs)
-                        for config in configs[shift:] + configs[:shift]:
-                            bar.set_description(f"bench K={k} T={temperature} c={c} {config.name}")
-                            run = measure(
-                                pool.server(config),
-                                batch,
-                                concurrency=c,
-                                max_tokens=settings.max_tokens,
-                                temperature=temperature,
-                                seed=(
-                                    settings.seed + 1000 * repeat
-                                    if settings.request_seeds
-                                    else None
-                                ),
-                            )
-                            record = {
-                                "config": config.name,
-                                "k": k,
-                                "temperature": temperature,
-                                "concurrency": c,
-                                "repeat": repeat,
-                                **run,
-                            }
-                            records.append(record)
-                            if on_record is not None:
-                                on_record(record)
-                            bar.set_postfix(tok_s=f"{run['output_tok_s']:.0f}")
-                            bar.update(1)
+                for temperature in settings.temperatures:
+                    warm_up_at(pool, temperature, configs, k)
+                    for c in settings.concurrency:
+                        for repeat in repeats:
+                            run_round(pool, k, temperature, c, repeat, configs)
     return records
