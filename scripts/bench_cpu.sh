@@ -24,7 +24,7 @@ COMMON=(--models bench --concurrency "$CONCURRENCY" --temperatures "$TEMPERATURE
 
 "$PYTHON" scripts/build_bench_models.py
 "$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 7 --repeats "$ADAPTIVE_REPEATS" \
-    --min-requests 8 --configs none,fixed:1,fixed:2,fixed:4,fixed:7,adaptive --name cpu_adaptive
+    --min-requests 8 --fresh-servers --configs none,fixed:1,fixed:2,fixed:4,fixed:7,adaptive --name cpu_adaptive
 "$PYTHON" -m vllm_peagle.cli bench "${COMMON[@]}" -k 4,7 --repeats "$REPEATS" \
     --configs none,eagle3,upstream,peagle --name cpu
 "$PYTHON" -m vllm_peagle.bench.stepcost --models bench -k 7 --concurrency 1 \
