@@ -6,8 +6,8 @@ Without arguments it uses the local tiny models (built on first use).
 """
 
 import argparse
-import os
 
+from vllm_peagle.cpu_env import default_cpu_kv_cache
 from vllm_peagle.metrics import SpecDecodeCounters
 
 
@@ -24,7 +24,7 @@ def main() -> None:
         args.target = args.target or str(models.target)
         args.drafter = args.drafter or str(models.peagle_native)
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU only; ignored on GPU
+    default_cpu_kv_cache()
     from vllm import LLM, SamplingParams
 
     llm = LLM(

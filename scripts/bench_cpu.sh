@@ -17,7 +17,7 @@ OUT=${OUT:-benchmarks}
 CONCURRENCY=${CONCURRENCY:-1,2,4,8,16,32,64}
 TEMPERATURES=${TEMPERATURES:-0,0.7}
 REPEATS=${REPEATS:-2}
-ADAPTIVE_REPEATS=${ADAPTIVE_REPEATS:-5}  # adaptive is judged to 3 %: more repeats
+ADAPTIVE_REPEATS=${ADAPTIVE_REPEATS:-8}  # adaptive is judged to 3 %: more repeats
 MAX_TOKENS=${MAX_TOKENS:-64}
 COMMON=(--models bench --concurrency "$CONCURRENCY" --temperatures "$TEMPERATURES"
         --max-tokens "$MAX_TOKENS" --requests-per-client 1 --out-dir "$OUT")

@@ -15,8 +15,10 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_peagle.cpu_env import default_cpu_kv_cache
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+default_cpu_kv_cache()
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 

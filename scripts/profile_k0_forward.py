@@ -21,6 +21,8 @@ import os
 import time
 from typing import Any
 
+from vllm_peagle.cpu_env import default_cpu_kv_cache
+
 
 def _install_timer(worker: Any) -> bool:
     started: list[float] = []
@@ -48,7 +50,7 @@ def _take_totals(worker: Any) -> tuple[float, int]:
 
 def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both engines in this process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    default_cpu_kv_cache()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=6)

@@ -195,6 +195,28 @@ def test_adaptive_is_compared_with_the_best_fixed_choice_of_the_same_round():
     assert "(P-EAGLE (ours, K=3))" in markdown(doc)
 
 
+def _tiny_bench_argv(local_models, peagle_drafter, out_dir, name: str) -> list[str]:
+    """``vllm-peagle bench`` on the test models, greedy, without plots."""
+    return [
+        "bench",
+        "--models",
+        "tiny",
+        "--target",
+        str(local_models.target),
+        "--peagle-drafter",
+        str(peagle_drafter),
+        "--eagle3-drafter",
+        str(local_models.eagle3),
+        "--temperatures",
+        "0",
+        "--out-dir",
+        str(out_dir),
+        "--name",
+        name,
+        "--no-plots",
+    ]
+
+
 @pytest.mark.engine
 def test_bench_smoke_on_tiny_models(local_models, trained_peagle, tmp_path):
     """The real command, four real servers: JSON fields, tok/s, equal token counts, and
@@ -203,30 +225,15 @@ def test_bench_smoke_on_tiny_models(local_models, trained_peagle, tmp_path):
     from vllm_peagle.cli import main
 
     argv = [
-        "bench",
-        "--models",
-        "tiny",
-        "--target",
-        str(local_models.target),
-        "--peagle-drafter",
-        str(trained_peagle),
-        "--eagle3-drafter",
-        str(local_models.eagle3),
+        *_tiny_bench_argv(local_models, trained_peagle, tmp_path, "smoke"),
         "-k",
         "4",
         "--concurrency",
         "1,2",
-        "--temperatures",
-        "0",
         "--repeats",
         "1",
         "--max-tokens",
         "12",
-        "--out-dir",
-        str(tmp_path),
-        "--name",
-        "smoke",
-        "--no-plots",
     ]
     assert main(argv) == 0
     doc = json.loads((tmp_path / "smoke.json").read_text())
@@ -258,33 +265,18 @@ def test_bench_fresh_servers_start_new_processes_for_each_repeat(local_models, t
     from vllm_peagle.cli import main
 
     argv = [
-        "bench",
-        "--models",
-        "tiny",
-        "--target",
-        str(local_models.target),
-        "--peagle-drafter",
-        str(local_models.peagle_native),
-        "--eagle3-drafter",
-        str(local_models.eagle3),
+        *_tiny_bench_argv(local_models, local_models.peagle_native, tmp_path, "fresh"),
         "-k",
         "2",
         "--configs",
         "none,peagle",
         "--concurrency",
         "1",
-        "--temperatures",
-        "0",
         "--repeats",
         "2",
         "--fresh-servers",
         "--max-tokens",
         "8",
-        "--out-dir",
-        str(tmp_path),
-        "--name",
-        "fresh",
-        "--no-plots",
     ]
     assert main(argv) == 0
     runs = json.loads((tmp_path / "fresh.json").read_text())["runs"]

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_peagle.cpu_env import default_cpu_kv_cache
 from vllm_peagle.metrics import SpecDecodeCounters
 
 DEMO_PROMPTS = (
@@ -34,7 +35,7 @@ class Run:
 
 def _engine_env() -> None:
     # CPU vLLM needs an explicit KV-cache size; its INFO logs would drown the demo's output.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    default_cpu_kv_cache()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

@@ -219,6 +219,11 @@ class CostCorrection:
     prediction is scaled by what steps of that shape actually took (a step's shape is its
     batch bucket, tokens per request ``1 + K`` and whether the drafter ran). A shape never
     measured keeps the model's prediction; the policy's cost probes measure it.
+
+    Each shape keeps decayed means of its step times and of its steps' regressors, and the
+    factor is their ratio under the model as it is when asked: a factor taken against the
+    prediction of the moment a step ran would correct twice once the model has learnt from
+    that very step.
     """
 
     half_life_observations = 8.0
@@ -226,8 +231,13 @@ class CostCorrection:
 
     def __init__(self, max_batch_size: int, max_k: int) -> None:
         shape = (int(batch_bucket(max_batch_size)) + 1, max_k + 2, 2)
-        self.ratio = np.ones(shape)
+        self.seconds = np.zeros(shape)
+        """Decayed mean step time of each shape."""
+        self.features = np.zeros((*shape, StepCostModel.num_features))
+        """Decayed mean regressors (:meth:`StepCostModel.features`) of each shape's steps."""
         self.weight = np.zeros(shape)
+        self.count = np.zeros(shape, dtype=int)
+        """Steps measured of each shape."""
         self.last_seen = np.full(shape, -(10**9))
         """Decoding step at which each shape was last measured."""
         self.decay = decay_for_half_life(self.half_life_observations)
@@ -239,57 +249,84 @@ class CostCorrection:
         batch_size: np.ndarray,
         drafting: np.ndarray,
         seconds: np.ndarray,
-        predicted: np.ndarray,
+        predicted: np.ndarray | None,
         steps: np.ndarray,
     ) -> None:
-        """Fold in steps in the order they ran, with the cost model's prediction for each."""
+        """Fold in steps in the order they ran, with the cost model's prediction for each,
+        which clips stalls like the model's own inputs: one must not condemn a shape.
+
+        Steps that ran before the model was trusted (``predicted`` None: start-up calibration,
+        whose first steps pay one-off costs) fitted the model but are not folded into the
+        factors; they count only as measuring their shapes.
+        """
         per_request = np.clip(np.rint(num_tokens / batch_size), 1, self.max_k + 1).astype(int)
-        # Clipped like the model's own inputs: one stall must not condemn a shape.
-        ratios = np.minimum(
-            seconds / np.where(predicted > 0, predicted, 1.0), StepCostModel.outlier_factor
+        if predicted is None:
+            index = batch_bucket(batch_size), per_request, drafting.astype(int)
+            np.add.at(self.count, index, 1)
+            np.maximum.at(self.last_seen, index, steps.astype(int))
+            return
+        seconds = np.minimum(
+            seconds, np.where(predicted > 0, StepCostModel.outlier_factor * predicted, np.inf)
         )
-        valid = predicted > 0
+        features = StepCostModel.features(num_tokens, batch_size, drafting)
         shapes = zip(
-            batch_bucket(batch_size[valid]).tolist(),
-            per_request[valid].tolist(),
-            drafting[valid].astype(int).tolist(),
+            batch_bucket(batch_size).tolist(),
+            per_request.tolist(),
+            drafting.astype(int).tolist(),
             strict=True,
         )
-        # A batch of steps holds few shapes: fold each shape's steps as plain floats.
-        folded: dict[tuple[int, int, int], list[float]] = {}
-        for index, ratio, step in zip(
-            shapes, ratios[valid].tolist(), steps[valid].tolist(), strict=True
+        # A batch of steps holds few shapes: fold each shape's steps in turn.
+        folded: dict[tuple[int, int, int], list] = {}
+        for index, step_seconds, step_features, step in zip(
+            shapes, seconds.tolist(), features, steps.tolist(), strict=True
         ):
             state = folded.setdefault(
-                index, [float(self.ratio[index]), float(self.weight[index]), 0]
+                index,
+                [self.seconds[index], self.features[index], self.weight[index], 0, 0],
             )
-            weight = state[1] * self.decay
-            state[0] = (state[0] * weight + ratio) / (weight + 1)
-            state[1] = weight + 1
-            state[2] = step
-        for index, (ratio, weight, step) in folded.items():
-            self.ratio[index], self.weight[index], self.last_seen[index] = ratio, weight, step
+            weight = state[2] * self.decay
+            state[0] = (state[0] * weight + step_seconds) / (weight + 1)
+            state[1] = (state[1] * weight + step_features) / (weight + 1)
+            state[2] = weight + 1
+            state[3] = step
+            state[4] += 1
+        for index, (mean_seconds, mean_features, weight, step, count) in folded.items():
+            self.seconds[index], self.features[index] = mean_seconds, mean_features
+            self.weight[index], self.last_seen[index] = weight, step
+            self.count[index] += count
 
-    def table(self, max_batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def table(
+        self, max_batch_size: int, coefficients: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per batch size 0..max (rows) and K = 0..max_k (columns) of a decoding step: the
-        correction factor, and the decoding step at which a step of that kind (drafting or
-        plain) was last measured at that batch bucket.
+        correction factor of the model with ``coefficients``, the decoding step at which a
+        step of that kind (drafting or plain) was last measured at that batch bucket
+        (negative: never), and the steps measured of that very shape there.
 
+        Only the shapes the policy runs steadily count: a plain step (one token per request)
+        and a step that verifies K drafts and drafts again (``1 + K`` tokens per request, K >= 1).
+        The transitions a probe passes through (drafting after a plain step, verifying without
+        drafting) are shapes of their own, and their factors say nothing about the steady ones.
         A K not measured at a bucket takes the factor interpolated between the measured K of
         its kind there (the nearest one beyond them), so one measured drafting K corrects
         every drafting K at that batch size.
         """
-        ratio = self.ratio.copy()
-        measured = self.weight > 0
+        steady = np.zeros(self.seconds.shape[1:], dtype=bool)
+        steady[1, 0] = True
+        steady[2:, 1] = True
+        measured = (self.weight > 0) & steady
+        predicted = self.features @ coefficients
+        ratio = np.where(measured & (predicted > 0), self.seconds / np.maximum(predicted, 1e-12), 1)
         positions = np.arange(ratio.shape[1])
         for bucket, kind in zip(*np.nonzero(measured.any(axis=1)), strict=True):
             seen = np.flatnonzero(measured[bucket, :, kind])
-            ratio[bucket, :, kind] = np.interp(positions, seen, self.ratio[bucket, seen, kind])
-        kind_seen = self.last_seen.max(axis=1)
+            ratio[bucket, :, kind] = np.interp(positions, seen, ratio[bucket, seen, kind])
+        kind_seen = np.where(steady, self.last_seen, -(10**9)).max(axis=1)
         buckets = batch_bucket(np.arange(max_batch_size + 1))[:, None]
         k = np.arange(self.max_k + 1)[None, :]
         kinds = (k > 0).astype(int)
-        return ratio[buckets, 1 + k, kinds], kind_seen[buckets, kinds]
+        shape = buckets, 1 + k, kinds
+        return ratio[shape], kind_seen[buckets, kinds], self.count[shape]
 
 
 class RequestShape:

@@ -35,7 +35,10 @@ Around the argmax sit four guards:
   policy's K, two steps run at that K so its step time is measured at this batch size, and
   predictions are scaled by what steps of each shape measured
   (:class:`~vllm_peagle.adaptive.estimates.CostCorrection`). A shape is measured again once
-  ``cost_refresh_steps`` old, as often as ``probe_budget`` allows.
+  ``cost_refresh_steps`` old, as often as ``probe_budget`` allows. A cost probe waits until
+  the policy's K has run ``cost_probe_after_steps`` steps at that batch size (the first
+  steps after a burst of prompts run slow), and the other kind replaces the policy's K at a
+  batch size only once measured there, never on the model's extrapolation alone.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class AdaptiveConfig:
     has its step time measured at a batch size; 0 disables cost probes."""
     cost_refresh_steps: int = 512
     """Decoding steps after which a measured step shape is measured again."""
+    cost_probe_after_steps: int = 16
+    """Steps the policy's own K must have run at a batch size before a cost probe compares
+    the other kind there: the first steps after a burst of prompts run slow (fresh cache
+    memory), and a comparison against them alone would favour the other kind."""
     update_interval_steps: int = 4
     """Decoding steps between re-evaluations of the K table (4x as many while no step
     verifies drafts: plain decoding steps bring only step times)."""
@@ -113,10 +120,12 @@ class AdaptiveConfig:
             or not 0 < config.probe_budget <= 1
             or not 0 <= config.cost_probe_margin < 1
             or config.cost_refresh_steps < 1
+            or config.cost_probe_after_steps < 0
         ):
             raise ValueError(
                 "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1, "
-                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1 and cost_refresh_steps >= 1. "
+                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1, cost_refresh_steps >= 1 and "
+                "cost_probe_after_steps >= 0. "
                 f"Fix: correct {setting!r}."
             )
         return config
@@ -200,6 +209,7 @@ def cost_probe_plan(
     rates: np.ndarray,
     seconds: np.ndarray,
     last_measured: np.ndarray,
+    measured_steps: np.ndarray,
     policy_k: np.ndarray,
     step: int,
     config: AdaptiveConfig,
@@ -214,7 +224,10 @@ def cost_probe_plan(
     what is in doubt; a one-off two steps). Once measured, it is probed again where its
     predicted rate is within ``cost_probe_margin`` of the policy's and the measurement is
     more than ``cost_refresh_steps`` old, spaced so the lost time, two steps at the
-    contender's lower rate, stays within ``probe_budget`` of decoding time.
+    contender's lower rate, stays within ``probe_budget`` of decoding time. No batch size is
+    probed before the policy's own K has run ``cost_probe_after_steps`` steps there
+    (``measured_steps``: steps measured per batch size and K), so the two steps of the
+    contender are compared with a settled measurement of the incumbent.
     """
     rows = np.arange(len(policy_k))
     k = np.arange(seconds.shape[1])[None, :]
@@ -226,7 +239,8 @@ def cost_probe_plan(
     never_measured = last_measured[rows, contender] < 0
     stale = step - last_measured[rows, contender] > config.cost_refresh_steps
     contends = never_measured | (stale & (relative >= 1 - config.cost_probe_margin))
-    due = (config.cost_probe_margin > 0) & other_kind.any(axis=1) & contends
+    settled = measured_steps[rows, policy_k] >= config.cost_probe_after_steps
+    due = (config.cost_probe_margin > 0) & other_kind.any(axis=1) & contends & settled
     probe_k = np.where(due, contender, policy_k)
     lost = 2 * seconds[rows, contender] * np.maximum(1 - relative, 0)
     overhead = lost / np.maximum(seconds[rows, policy_k], 1e-12)
@@ -431,14 +445,13 @@ class KController:
         pending = np.array(self._step_times, dtype=float).reshape(-1, 5)
         self._step_times = []
         while len(pending):
-            # Steps before the model is trusted only fit it; those after are also compared
-            # with its prediction (the correction), as if folded in one at a time.
+            # Steps before the model is trusted only fit it (and mark their shapes measured);
+            # those after also feed the correction, as if folded in one at a time.
             untrusted = max(self.cost.trusted_after - self.cost.num_observations, 0)
             split = untrusted or len(pending)
             (tokens, batch, drafting, seconds, steps), pending = pending[:split].T, pending[split:]
             predicted = self.cost.observe_many(tokens, batch, drafting > 0, seconds)
-            if predicted is not None:
-                self.correction.observe_many(tokens, batch, drafting > 0, seconds, predicted, steps)
+            self.correction.observe_many(tokens, batch, drafting > 0, seconds, predicted, steps)
 
     def observe_requests(
         self, prompt_tokens: int, admitted: int, output_tokens: int, finished: int
@@ -462,13 +475,20 @@ class KController:
         self._verified_since_update = False
         alphas = self.acceptance.conditional()
         gains = expected_tokens_table(alphas, self.max_k)
-        correction, last_measured = self.correction.table(self.max_batch_size)
+        correction, last_measured, measured_steps = self.correction.table(
+            self.max_batch_size, self.cost.coefficients()
+        )
         seconds = seconds_table(self.cost, self.max_batch_size, self.max_k) * correction
         seconds += self._prompt_drafting_seconds(gains)
         rates = _rates(gains[None, :], seconds)
         current = np.array(self.policy_k)
-        candidate = best_k(rates, self.min_k)
         rows = np.arange(len(current))
+        # The other kind of step (drafting or plain) replaces the policy's K at a batch size
+        # only once measured there: a measured incumbent against the cost model's
+        # extrapolation is no contest (its cost probe measures the other kind first).
+        other_kind = (np.arange(self.max_k + 1)[None, :] > 0) != (current[:, None] > 0)
+        unproven = other_kind & (last_measured < 0) & (last_measured[rows, current] >= 0)[:, None]
+        candidate = best_k(np.where(unproven, -np.inf, rates), self.min_k)
         switch = (candidate != current) & (
             rates[rows, candidate] > rates[rows, current] * (1 + self.config.hysteresis)
         )
@@ -485,7 +505,14 @@ class KController:
             self.config.probe_interval_steps,
         )
         self.cost_probe_k, self.cost_probe_interval = cost_probe_plan(
-            rates, seconds, last_measured, current, self.decode_steps, self.config, self.min_k
+            rates,
+            seconds,
+            last_measured,
+            measured_steps,
+            current,
+            self.decode_steps,
+            self.config,
+            self.min_k,
         )
 
     def summary(self, batch_size: int) -> str:
@@ -494,7 +521,7 @@ class KController:
         batch_size = max(1, min(batch_size, self.max_batch_size))
         k = self.policy_k[batch_size]
         alphas = self.acceptance.conditional()
-        correction, _ = self.correction.table(batch_size)
+        correction, _, _ = self.correction.table(batch_size, self.cost.coefficients())
         plain_ms = self.cost.predict(batch_size, 0) * correction[batch_size, 0] * 1e3
         spec_ms = self.cost.predict(batch_size, k) * correction[batch_size, k] * 1e3
         return (

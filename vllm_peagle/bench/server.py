@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_peagle.bench.configs import BenchConfig
+from vllm_peagle.cpu_env import default_cpu_kv_cache
 from vllm_peagle.monitor import Reading, parse_metrics
 
 CPU_SERVE_ARGS = "--dtype float32 --enforce-eager --max-model-len 1024 --gpu-memory-utilization 0.3"
@@ -50,7 +51,7 @@ def start_server(target: str, config: BenchConfig, log_dir: Path, serve_args: li
         cmd += ["--speculative-config", json.dumps(config.speculative_config)]
     cmd += [*serve_args, *config.server_args]
     env = {**os.environ}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; read by the CPU build only
+    default_cpu_kv_cache(env)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{config.name}-{port}.log"
     with open(log, "w") as fh:  # the child keeps its own descriptor

@@ -17,6 +17,8 @@ import os
 import time
 from typing import Any
 
+from vllm_peagle.cpu_env import default_cpu_kv_cache
+
 TIMED_METHODS = ("execute_model", "sample_tokens", "propose_draft_token_ids", "_sample")
 
 
@@ -76,7 +78,7 @@ def _per_step(acc: dict[str, float], wall_s: float) -> dict[str, float]:
 
 
 def main() -> None:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    default_cpu_kv_cache()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timers via collective_rpc
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     parser = argparse.ArgumentParser(description=__doc__)

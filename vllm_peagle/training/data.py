@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_peagle.cpu_env import default_cpu_kv_cache
+
 logger = logging.getLogger("vllm_peagle.training")
 OnError = Literal["skip", "raise"]
 
@@ -250,7 +252,7 @@ class _VllmGenerator:
     """One offline vLLM engine (float32, eager, small KV cache), shut down by :meth:`close`."""
 
     def __init__(self, target: str | os.PathLike, max_model_len: int, seed: int) -> None:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        default_cpu_kv_cache()
         from vllm import LLM
 
         self.llm: Any = LLM(
