@@ -528,6 +528,46 @@ def test_slow_first_steps_after_a_burst_do_not_tip_the_policy_into_drafting(star
     assert sum(1 for k in engine.drafted[-200:] if k) <= 4, engine.drafted[-200:]
 
 
+def test_a_dear_first_cost_probe_waits_until_its_batch_size_has_run_long_enough():
+    """A burst of 64 that drains within ~60 steps (one CPU bench run) is not worth a K=7
+    probe that costs ~10 plain steps; a batch size that stays is measured all the same."""
+    alphas = np.array([0.93] + [0.99] * 6)
+    engine = BurstEngine(KController(7, 64, AdaptiveConfig()))
+    for _ in range(200):
+        engine.step(alphas, None)
+    engine.batch = 64
+    for _ in range(60):
+        engine.step(alphas, None)
+    assert not any(engine.drafted[-50:]), engine.drafted[-60:]
+    for _ in range(400):
+        engine.step(alphas, None)
+    last_measured = engine.controller.correction.table(64, engine.controller.cost.coefficients())[1]
+    assert last_measured[64, 7] > 200, last_measured[64]
+    assert engine.controller.policy_k[64] == 0
+
+
+def test_collapsed_acceptance_decodes_plainly_at_a_batch_size_where_only_drafting_ran():
+    """As in the CPU sweep: greedy requests at batch 8 ended before a cost probe measured
+    plain decoding there (K=7 ran ~9 steps per request), then sampled requests the drafter
+    rarely predicts came. Plain decoding must take over at batch 8 at once, not after a
+    settled cost probe's worth of drafting steps (a whole short run at 2x the step time)."""
+    controller = KController(7, 16, AdaptiveConfig())
+    engine = SimulatedEngine(controller, batch=1)
+    for batch, alphas, steps in ((1, AGREEING, 200), (8, AGREEING, 10), (1, np.full(7, 0.1), 200)):
+        engine.batch = batch
+        for _ in range(steps):
+            engine.step(alphas, COSTS)
+    k_at_8 = controller.policy_k[8]
+    assert controller.correction.table(16, controller.cost.coefficients())[1][8, 0] < 0
+    poor = np.full(7, 0.1)
+    assert expected_tokens(poor, 1) / true_seconds(COSTS, 8, 1) < 0.9 / true_seconds(COSTS, 8, 0)
+    engine.batch = 8
+    for _ in range(40):
+        engine.step(poor, COSTS)
+    assert k_at_8 == 0, engine.drafted[-40:]
+    assert sum(1 for k in engine.drafted[-40:] if k) <= 3, engine.drafted[-40:]
+
+
 def test_no_probe_drafts_over_prompts_while_requests_wait():
     controller = KController(7, 64, AdaptiveConfig())
     controller.decode_steps = 4 * len(controller.calibration) * 16  # past calibration

@@ -37,8 +37,11 @@ Around the argmax sit four guards:
   (:class:`~vllm_peagle.adaptive.estimates.CostCorrection`). A shape is measured again once
   ``cost_refresh_steps`` old, as often as ``probe_budget`` allows. A cost probe waits until
   the policy's K has run ``cost_probe_after_steps`` steps at that batch size (the first
-  steps after a burst of prompts run slow), and the other kind replaces the policy's K at a
-  batch size only once measured there, never on the model's extrapolation alone.
+  steps after a burst of prompts run slow; a first probe of drafting waits
+  ``first_drafting_probe_after_steps``, as a burst that drains soon never repays it), and
+  drafting replaces plain decoding at a batch size only once measured there, never on the
+  model's extrapolation alone (plain decoding replaces drafting on the model's word: it is
+  the baseline, and does less work per step).
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ class AdaptiveConfig:
     """Steps the policy's own K must have run at a batch size before a cost probe compares
     the other kind there: the first steps after a burst of prompts run slow (fresh cache
     memory), and a comparison against them alone would favour the other kind."""
+    first_drafting_probe_after_steps: int = 64
+    """Plain decoding steps a batch size must have run before drafting is first measured
+    there: a drafting probe on a compute-bound target costs several plain steps, which a
+    batch size that comes and goes (a burst that drains in a few dozen steps) never repays."""
     update_interval_steps: int = 4
     """Decoding steps between re-evaluations of the K table (4x as many while no step
     verifies drafts: plain decoding steps bring only step times)."""
@@ -121,11 +128,12 @@ class AdaptiveConfig:
             or not 0 <= config.cost_probe_margin < 1
             or config.cost_refresh_steps < 1
             or config.cost_probe_after_steps < 0
+            or config.first_drafting_probe_after_steps < 0
         ):
             raise ValueError(
                 "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1, "
-                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1, cost_refresh_steps >= 1 and "
-                "cost_probe_after_steps >= 0. "
+                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1, cost_refresh_steps >= 1, "
+                "cost_probe_after_steps >= 0 and first_drafting_probe_after_steps >= 0. "
                 f"Fix: correct {setting!r}."
             )
         return config
@@ -227,7 +235,9 @@ def cost_probe_plan(
     contender's lower rate, stays within ``probe_budget`` of decoding time. No batch size is
     probed before the policy's own K has run ``cost_probe_after_steps`` steps there
     (``measured_steps``: steps measured per batch size and K), so the two steps of the
-    contender are compared with a settled measurement of the incumbent.
+    contender are compared with a settled measurement of the incumbent; drafting is first
+    measured at a batch size once plain decoding has run ``first_drafting_probe_after_steps``
+    steps there (a burst that drains within a few dozen steps is not worth a dear probe).
     """
     rows = np.arange(len(policy_k))
     k = np.arange(seconds.shape[1])[None, :]
@@ -239,7 +249,11 @@ def cost_probe_plan(
     never_measured = last_measured[rows, contender] < 0
     stale = step - last_measured[rows, contender] > config.cost_refresh_steps
     contends = never_measured | (stale & (relative >= 1 - config.cost_probe_margin))
-    settled = measured_steps[rows, policy_k] >= config.cost_probe_after_steps
+    first_drafting = never_measured & (contender > 0)
+    wait = np.where(
+        first_drafting, config.first_drafting_probe_after_steps, config.cost_probe_after_steps
+    )
+    settled = measured_steps[rows, policy_k] >= wait
     due = (config.cost_probe_margin > 0) & other_kind.any(axis=1) & contends & settled
     probe_k = np.where(due, contender, policy_k)
     lost = 2 * seconds[rows, contender] * np.maximum(1 - relative, 0)
@@ -483,11 +497,18 @@ class KController:
         rates = _rates(gains[None, :], seconds)
         current = np.array(self.policy_k)
         rows = np.arange(len(current))
-        # The other kind of step (drafting or plain) replaces the policy's K at a batch size
-        # only once measured there: a measured incumbent against the cost model's
-        # extrapolation is no contest (its cost probe measures the other kind first).
-        other_kind = (np.arange(self.max_k + 1)[None, :] > 0) != (current[:, None] > 0)
-        unproven = other_kind & (last_measured < 0) & (last_measured[rows, current] >= 0)[:, None]
+        # Drafting replaces plain decoding at a batch size only once measured there: a
+        # measured plain step against the cost model's extrapolation of drafting is no contest
+        # (its cost probe measures drafting first). The way back needs no such proof: a plain
+        # step does less work than any drafting step, and when acceptance collapses the
+        # runs are too short to spend a settled cost probe's worth of steps drafting first.
+        drafting_k = np.arange(self.max_k + 1)[None, :] > 0
+        unproven = (
+            drafting_k
+            & (current[:, None] == 0)
+            & (last_measured < 0)
+            & (last_measured[rows, current] >= 0)[:, None]
+        )
         candidate = best_k(np.where(unproven, -np.inf, rates), self.min_k)
         switch = (candidate != current) & (
             rates[rows, candidate] > rates[rows, current] * (1 + self.config.hysteresis)
