@@ -144,8 +144,10 @@ def test_sigkilled_torchrun_resumes_from_its_checkpoint(local_models, data, tmp_
     lost steps bit for bit and finishes on the single-process curve."""
     steps, out = 12, tmp_path / "run"
     extra = ("--checkpoint-every", "4", "--segment-len", "16")
-    proc = torchrun(local_models, data, out, steps, *extra)
+    # The reference runs first: run while torchrun trains, it let the whole run finish
+    # before the first look at its log (CI, session 9).
     reference = single_process_losses(local_models, data, tmp_path / "single", steps)
+    proc = torchrun(local_models, data, out, steps, *extra)
     deadline = time.monotonic() + 240
     try:
         while not any(r["step"] >= 6 for r in logged(out)):
