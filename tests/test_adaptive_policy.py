@@ -363,7 +363,8 @@ def test_no_probes_where_even_a_perfect_drafter_cannot_pay():
 
 def test_probes_are_spaced_to_cost_the_budget():
     """Poor acceptance keeps K at 0; a perfect drafter would pay, so probes continue, each
-    drafting the optimistic best K, spaced so their extra time is ~1% of decoding time."""
+    drafting the optimistic best K for one step, spaced so their extra time stays within the
+    time budget (cost probes, which draft two steps in a row, are not counted)."""
     config = AdaptiveConfig()
     controller = KController(4, 16, config)
     engine = SimulatedEngine(controller, batch=1)
@@ -376,7 +377,8 @@ def test_probes_are_spaced_to_cost_the_budget():
     overhead = (true_seconds(CPU_COSTS, 1, 4) - plain) / plain
     periods = max(1, math.ceil(overhead / config.probe_budget / config.probe_interval_steps))
     interval = config.probe_interval_steps * periods
-    assert late.count(4) == pytest.approx(len(late) / interval, abs=1.5), late
+    lone = [i for i in range(1, len(late) - 1) if late[i] and not late[i - 1] | late[i + 1]]
+    assert len(lone) == pytest.approx(len(late) / interval, abs=1.5), late
 
 
 def test_hysteresis_stops_flapping_between_near_equal_choices():
@@ -544,6 +546,30 @@ def test_a_dear_first_cost_probe_waits_until_its_batch_size_has_run_long_enough(
     last_measured = engine.controller.correction.table(64, engine.controller.cost.coefficients())[1]
     assert last_measured[64, 7] > 200, last_measured[64]
     assert engine.controller.policy_k[64] == 0
+
+
+def test_no_first_drafting_probe_at_a_large_batch_where_drafting_loses_at_batch_one():
+    """Sampled requests a drafter rarely predicts (alpha ~0.06, as at T=0.7 on the CPU bench
+    models): drafting loses at batch size 1, where it was measured, and a drafting step's cost
+    over a plain one's only grows with the batch, so at 64 no cost probe drafts (on the CPU
+    sweep each such first probe cost ~5 % of a run at concurrency 32 and 64). Same costs as
+    the test above, where a drafter that pays at batch size 1 is probed at 64."""
+    poor = np.full(7, 0.06)
+    costs = BurstEngine.costs
+    assert all(expected_tokens(poor, k) < true_seconds(costs, 1, k) / true_seconds(costs, 1, 0)
+               for k in range(1, 8))  # fmt: skip
+    engine = BurstEngine(KController(7, 64, AdaptiveConfig()))
+    for _ in range(200):
+        engine.step(poor, None)
+    assert engine.controller.policy_k[1] == 0
+    engine.batch = 64
+    for _ in range(400):
+        engine.step(poor, None)
+    controller = engine.controller
+    last_measured = controller.correction.table(64, controller.cost.coefficients())[1]
+    assert last_measured[64, 0] > 200 and last_measured[64, 1] < 0, last_measured[64]
+    assert controller.policy_k[64] == 0
+    assert sum(1 for k in engine.drafted[-400:] if k) <= 8, engine.drafted[-400:]
 
 
 def test_collapsed_acceptance_decodes_plainly_at_a_batch_size_where_only_drafting_ran():

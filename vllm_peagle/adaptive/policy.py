@@ -38,10 +38,11 @@ Around the argmax sit four guards:
   ``cost_refresh_steps`` old, as often as ``probe_budget`` allows. A cost probe waits until
   the policy's K has run ``cost_probe_after_steps`` steps at that batch size (the first
   steps after a burst of prompts run slow; a first probe of drafting waits
-  ``first_drafting_probe_after_steps``, as a burst that drains soon never repays it), and
-  drafting replaces plain decoding at a batch size only once measured there, never on the
-  model's extrapolation alone (plain decoding replaces drafting on the model's word: it is
-  the baseline, and does less work per step).
+  ``first_drafting_probe_after_steps``, as a burst that drains soon never repays it, and is
+  skipped where drafting pays at no smaller batch size: its cost over a plain step's only
+  grows with the batch), and drafting replaces plain decoding at a batch size only once
+  measured there, never on the model's extrapolation alone (plain decoding replaces drafting
+  on the model's word: it is the baseline, and does less work per step).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class AdaptiveConfig:
     """Decoding steps spent at each K of the start-up sweep."""
     probe_interval_steps: int = 16
     """Fewest decoding steps between two probes of a longer draft than the chosen K."""
-    probe_budget: float = 0.01
+    probe_budget: float = 0.005
     """Share of decoding time probes may cost; sets how often a batch size is probed."""
     cost_probe_margin: float = 0.3
     """Relative predicted shortfall within which the other kind of step (drafting or plain)
@@ -229,15 +230,21 @@ def cost_probe_plan(
     The contender is the best K of the other kind: the best drafting K where the policy
     decodes plainly, K = 0 where it drafts. A kind never measured at a batch bucket is
     probed at the next chance, however poor its prediction (the model's extrapolation is
-    what is in doubt; a one-off two steps). Once measured, it is probed again where its
-    predicted rate is within ``cost_probe_margin`` of the policy's and the measurement is
-    more than ``cost_refresh_steps`` old, spaced so the lost time, two steps at the
-    contender's lower rate, stays within ``probe_budget`` of decoding time. No batch size is
-    probed before the policy's own K has run ``cost_probe_after_steps`` steps there
-    (``measured_steps``: steps measured per batch size and K), so the two steps of the
-    contender are compared with a settled measurement of the incumbent; drafting is first
-    measured at a batch size once plain decoding has run ``first_drafting_probe_after_steps``
-    steps there (a burst that drains within a few dozen steps is not worth a dear probe).
+    what is in doubt; a one-off two steps), except drafting where the drafter's acceptance
+    alone rules it out: where drafting is predicted to win by less than ``hysteresis`` (what
+    would make the policy draft) at every batch size up to this one. A drafting step's cost
+    over a plain one's only grows with the batch (verification turns compute-bound), so a
+    drafter that does not pay at batch size 1, measured there, pays nowhere (sampled requests
+    it rarely predicts; a first probe at a large batch size costs several plain steps).
+    Once measured, a kind is probed again where its predicted rate is within
+    ``cost_probe_margin`` of the policy's and the measurement is more than
+    ``cost_refresh_steps`` old, spaced so the lost time, two steps at the contender's lower
+    rate, stays within ``probe_budget`` of decoding time. No batch size is probed before the
+    policy's own K has run ``cost_probe_after_steps`` steps there (``measured_steps``: steps
+    measured per batch size and K), so the two steps of the contender are compared with a
+    settled measurement of the incumbent; drafting is first measured at a batch size once
+    plain decoding has run ``first_drafting_probe_after_steps`` steps there (a burst that
+    drains within a few dozen steps is not worth a dear probe).
     """
     rows = np.arange(len(policy_k))
     k = np.arange(seconds.shape[1])[None, :]
@@ -248,8 +255,13 @@ def cost_probe_plan(
     relative = contender_rates[rows, contender] / np.maximum(current, 1e-12)
     never_measured = last_measured[rows, contender] < 0
     stale = step - last_measured[rows, contender] > config.cost_refresh_steps
-    contends = never_measured | (stale & (relative >= 1 - config.cost_probe_margin))
     first_drafting = never_measured & (contender > 0)
+    drafting_rate = np.where((k > 0) & (k >= min_k), rates, -np.inf).max(axis=1)
+    drafting_pays = drafting_rate > rates[:, 0] * (1 + config.hysteresis)
+    drafting_could_pay = np.maximum.accumulate(drafting_pays)
+    contends = (never_measured & (drafting_could_pay | ~first_drafting)) | (
+        stale & (relative >= 1 - config.cost_probe_margin)
+    )
     wait = np.where(
         first_drafting, config.first_drafting_probe_after_steps, config.cost_probe_after_steps
     )
