@@ -78,6 +78,25 @@ def test_controller_sees_what_vllm_counts(adaptive_engine):
     assert controller.accepted_drafts - accepted_before == window.num_accepted_tokens
 
 
+def test_no_drafts_after_the_step_that_ends_every_request(adaptive_engine, plain_reference):
+    """Four requests with one max_tokens end in one step (or a few): drafting after it
+    would be for nothing, so its K is 0 whatever the policy's K (useful_drafts)."""
+    llm, scheduler = adaptive_engine
+    controller = scheduler.k_controller
+    # The policy drafts K = 4 throughout: no K it might prefer replaces it.
+    controller.policy_k[:] = [4] * len(controller.policy_k)
+    hysteresis, controller.config.hysteresis = controller.config.hysteresis, float("inf")
+    steps_before = len(controller.history)
+    try:
+        assert greedy_token_ids(llm, PROMPTS[:4]) == plain_reference[4]
+    finally:
+        controller.config.hysteresis = hysteresis
+    steps = list(controller.history)[steps_before:]
+    *_, (_, drafted_last, policy_last) = steps
+    assert drafted_last == 0 and policy_last > 0, steps[-5:]
+    assert sum(1 for _, drafted, _ in steps if drafted) >= len(steps) // 2, steps
+
+
 def test_k_falls_when_drafts_stop_being_accepted(adaptive_engine):
     llm, scheduler = adaptive_engine
     controller = scheduler.k_controller

@@ -2,6 +2,7 @@
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from vllm_peagle.adaptive.estimates import (
     expected_tokens,
 )
 from vllm_peagle.adaptive.policy import AdaptiveConfig, KController, best_k, rate_table
+from vllm_peagle.adaptive.scheduler import useful_drafts
 
 
 def simulate_verification(rng: np.random.Generator, alphas, num_drafts: int) -> int:
@@ -678,3 +680,37 @@ def test_drafting_over_prompts_is_charged_to_the_requests_it_decodes(prompt_toke
     controller._update_policy()
     assert controller.policy_k[batch] == best
     assert (best > 0) == (prompt_tokens < output_tokens)
+
+
+def request_state(max_tokens, outputs, prompt=10, computed=None, in_flight=0):
+    """What useful_drafts reads of a vLLM request (``computed`` defaults to a decode step:
+    everything but the last sampled token, plus the steps in flight under async scheduling)."""
+    tokens = prompt + outputs
+    computed = tokens - 1 + in_flight if computed is None else computed
+    return SimpleNamespace(
+        max_tokens=max_tokens,
+        num_output_tokens=outputs,
+        num_output_placeholders=in_flight,
+        num_tokens=tokens,
+        num_computed_tokens=computed,
+    )
+
+
+@pytest.mark.parametrize(
+    "states, scheduled, want",
+    [
+        ([request_state(64, 63)], [1], 0),  # this step yields the last token
+        ([request_state(64, 62)], [1], 0),  # the next step's own token is the last one
+        ([request_state(64, 60)], [1], 2),
+        ([request_state(64, 60)], [4], 2),  # a step verifying 3 drafts yields >= 1 token
+        ([request_state(64, 63), request_state(64, 10)], [1, 1], 5),  # the longest counts
+        ([request_state(3, 0, prompt=50, computed=0)], [20], 2),  # a prompt chunk yields none
+        ([request_state(3, 0, prompt=50, computed=30)], [20], 1),  # its last chunk yields one
+        ([request_state(64, 58, in_flight=2)], [1], 2),  # async: tokens in flight are spent
+        ([request_state(None, 63)], [1], 5),
+    ],
+)
+def test_drafts_no_request_can_use_are_not_scheduled(states, scheduled, want):
+    requests = {str(i): state for i, state in enumerate(states)}
+    counts = {str(i): n for i, n in enumerate(scheduled)}
+    assert useful_drafts(requests, counts, 5) == want

