@@ -379,7 +379,7 @@ def test_probes_are_spaced_to_cost_the_budget():
     overhead = (true_seconds(CPU_COSTS, 1, 4) - plain) / plain
     periods = max(1, math.ceil(overhead / config.probe_budget / config.probe_interval_steps))
     interval = config.probe_interval_steps * periods
-    lone = [i for i in range(1, len(late) - 1) if late[i] and not late[i - 1] | late[i + 1]]
+    lone = [i for i in range(1, len(late) - 1) if late[i] and not (late[i - 1] or late[i + 1])]
     assert len(lone) == pytest.approx(len(late) / interval, abs=1.5), late
 
 

@@ -258,10 +258,8 @@ def cost_probe_plan(
     first_drafting = never_measured & (contender > 0)
     drafting_rate = np.where((k > 0) & (k >= min_k), rates, -np.inf).max(axis=1)
     drafting_pays = drafting_rate > rates[:, 0] * (1 + config.hysteresis)
-    drafting_could_pay = np.maximum.accumulate(drafting_pays)
-    contends = (never_measured & (drafting_could_pay | ~first_drafting)) | (
-        stale & (relative >= 1 - config.cost_probe_margin)
-    )
+    ruled_out = first_drafting & ~np.maximum.accumulate(drafting_pays)
+    contends = (never_measured & ~ruled_out) | (stale & (relative >= 1 - config.cost_probe_margin))
     wait = np.where(
         first_drafting, config.first_drafting_probe_after_steps, config.cost_probe_after_steps
     )
