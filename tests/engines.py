@@ -121,6 +121,53 @@ def _install_forward_counters(worker: Any) -> bool:
     return True
 
 
+def _install_metadata_check(worker: Any) -> bool:
+    """Every zero-draft step's spec-decode metadata (built directly, patch ledger entry 2)
+    is compared with what vLLM's own arithmetic makes of the same step."""
+    runner = worker.model_runner
+    patched = runner._calc_spec_decode_metadata
+    vllm_metadata = type(runner)._calc_spec_decode_metadata.__wrapped__
+    fields = (
+        "draft_token_ids",
+        "cu_num_draft_tokens",
+        "cu_num_sampled_tokens",
+        "target_logits_indices",
+        "bonus_logits_indices",
+        "logits_indices",
+    )
+    checks = {"zero_draft_steps": 0, "mismatches": 0}
+    worker._peagle_metadata_checks = checks
+
+    def checked(num_draft_tokens: Any, cu_num_scheduled_tokens: Any) -> Any:
+        metadata = patched(num_draft_tokens, cu_num_scheduled_tokens)
+        if not num_draft_tokens.any():
+            expected = vllm_metadata(runner, num_draft_tokens, cu_num_scheduled_tokens)
+            checks["zero_draft_steps"] += 1
+            same = metadata.num_draft_tokens == expected.num_draft_tokens and all(
+                getattr(metadata, f).dtype == getattr(expected, f).dtype
+                and getattr(metadata, f).tolist() == getattr(expected, f).tolist()
+                for f in fields
+            )
+            checks["mismatches"] += not same
+        return metadata
+
+    runner._calc_spec_decode_metadata = checked
+    return True
+
+
+def _read_metadata_checks(worker: Any) -> dict[str, int]:
+    return dict(worker._peagle_metadata_checks)
+
+
+def install_metadata_check(llm: LLM) -> None:
+    llm.collective_rpc(_install_metadata_check)
+
+
+def read_metadata_checks(llm: LLM) -> list[dict[str, int]]:
+    """Zero-draft steps seen and how many of their metadata differed from vLLM's, per worker."""
+    return llm.collective_rpc(_read_metadata_checks)
+
+
 def _read_forward_counters(worker: Any) -> dict[str, int]:
     counts = dict(worker._peagle_test_counts)
     for key in counts:

@@ -13,7 +13,9 @@ from tests.engines import (
     environment,
     greedy_token_ids,
     install_forward_counters,
+    install_metadata_check,
     read_forward_counters,
+    read_metadata_checks,
     spec_decode_counters,
     start_engine,
     stop_engine,
@@ -30,6 +32,7 @@ def adaptive_engine(local_models, plain_reference, trained_peagle):
         llm = start_engine(local_models.target, spec)
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         install_forward_counters(llm)
+        install_metadata_check(llm)
         yield llm, scheduler
         stop_engine(llm)
 
@@ -65,6 +68,10 @@ def test_greedy_equals_plain_decoding_while_k_changes(adaptive_engine, plain_ref
     # as plain decoding does (the rejection sampler's noise draws cost a plain step ~10 %).
     after_drafting = sum(1 for k in drafted[:-1] if k > 0)  # the steps that can verify
     assert 0 < counts["rejection_sampler"] <= after_drafting < counts["target"]
+    # Steps that verify nothing get vLLM's spec-decode metadata built directly (entry 2).
+    [checks] = read_metadata_checks(llm)
+    assert checks["zero_draft_steps"] >= counts["target"] - after_drafting > 0
+    assert checks["mismatches"] == 0, checks
 
 
 def test_controller_sees_what_vllm_counts(adaptive_engine):

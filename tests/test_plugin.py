@@ -85,3 +85,73 @@ def test_cpu_expand_keeps_float_values():
     top_k = torch.tensor([5, 0], dtype=torch.int32)
     out = expand_batch_to_tokens(top_k, torch.tensor([1, 3], dtype=torch.int32), 3)
     assert out.dtype == torch.int32 and out.tolist() == [5, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "num_scheduled",
+    [[1], [1, 1], [1, 100, 3, 1], [37, 1, 1, 1, 1, 1, 1, 1]],
+    ids=["one", "two-decodes", "prompt-chunks", "batch-8"],
+)
+def test_zero_draft_metadata_is_what_vllm_computes(num_scheduled):
+    import types
+
+    import numpy as np
+    import torch
+    from vllm.v1.worker import gpu_model_runner
+
+    runner_cls = gpu_model_runner.GPUModelRunner
+    vllm_metadata = runner_cls._calc_spec_decode_metadata.__wrapped__  # unpatched original
+    scratch = 512
+    runner = types.SimpleNamespace(
+        arange_np=np.arange(scratch, dtype=np.int64),
+        _arange_scratch=np.empty(scratch, dtype=np.int64),
+        input_ids=types.SimpleNamespace(gpu=torch.arange(1000, 1000 + scratch, dtype=torch.int32)),
+        device=torch.device("cpu"),
+    )
+    runner._get_cumsum_and_arange = types.MethodType(runner_cls._get_cumsum_and_arange, runner)
+    num_draft_tokens = np.zeros(len(num_scheduled), dtype=np.int32)
+    cu_num_scheduled = np.cumsum(np.array(num_scheduled, dtype=np.int32), dtype=np.int32)
+
+    expected = vllm_metadata(runner, num_draft_tokens, cu_num_scheduled)
+    constants = {}
+    for _ in range(2):  # the second time from the batch size's kept constants
+        ours = patches.zero_draft_metadata(
+            num_draft_tokens, cu_num_scheduled, runner.input_ids.gpu, constants
+        )
+        assert ours.num_draft_tokens == expected.num_draft_tokens
+        assert ours.max_spec_len == expected.max_spec_len == 0
+        for field in (
+            "draft_token_ids",
+            "cu_num_draft_tokens",
+            "cu_num_sampled_tokens",
+            "target_logits_indices",
+            "bonus_logits_indices",
+            "logits_indices",
+        ):
+            mine, theirs = getattr(ours, field), getattr(expected, field)
+            assert mine.dtype == theirs.dtype, field
+            assert mine.tolist() == theirs.tolist(), field
+    assert list(constants) == [len(num_scheduled)]
+
+
+def test_after_a_step_that_drafted_nothing_there_are_no_drafts_to_take():
+    import types
+
+    import torch
+    from vllm.v1.worker import gpu_model_runner
+
+    runner_cls = gpu_model_runner.GPUModelRunner
+    runner = types.SimpleNamespace(
+        drafter=types.SimpleNamespace(peagle_enabled=True),
+        num_spec_tokens=4,
+        prev_num_spec_tokens=4,
+        _draft_token_ids=torch.empty((3, 0), dtype=torch.int32),  # K = 0 for 3 requests
+        _draft_token_req_ids=None,
+        use_async_scheduling=False,
+        # vLLM's own copy would need these: CPU buffers and events it has no use for here.
+        draft_token_ids_cpu=None,
+        draft_token_ids_event=None,
+    )
+    runner_cls._copy_draft_token_ids_to_cpu(runner, types.SimpleNamespace())
+    assert runner.prev_num_spec_tokens == 0
+    assert runner_cls.take_draft_token_ids(runner) is None
