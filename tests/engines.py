@@ -121,20 +121,29 @@ def _install_forward_counters(worker: Any) -> bool:
     return True
 
 
-def _install_metadata_check(worker: Any) -> bool:
-    """Every zero-draft step's spec-decode metadata (built directly, patch ledger entry 2)
-    is compared with what vLLM's own arithmetic makes of the same step."""
-    runner = worker.model_runner
-    patched = runner._calc_spec_decode_metadata
-    vllm_metadata = type(runner)._calc_spec_decode_metadata.__wrapped__
-    fields = (
+def metadata_differences(ours: Any, vllms: Any) -> list[str]:
+    """Names of the ``SpecDecodeMetadata`` fields whose values or dtypes differ."""
+    differing = [] if ours.num_draft_tokens == vllms.num_draft_tokens else ["num_draft_tokens"]
+    for field in (
         "draft_token_ids",
         "cu_num_draft_tokens",
         "cu_num_sampled_tokens",
         "target_logits_indices",
         "bonus_logits_indices",
         "logits_indices",
-    )
+    ):
+        mine, theirs = getattr(ours, field), getattr(vllms, field)
+        if mine.dtype != theirs.dtype or mine.tolist() != theirs.tolist():
+            differing.append(field)
+    return differing
+
+
+def _install_metadata_check(worker: Any) -> bool:
+    """Every zero-draft step's spec-decode metadata (built directly, patch ledger entry 2)
+    is compared with what vLLM's own arithmetic makes of the same step."""
+    runner = worker.model_runner
+    patched = runner._calc_spec_decode_metadata
+    vllm_metadata = type(runner)._calc_spec_decode_metadata.__wrapped__
     checks = {"zero_draft_steps": 0, "mismatches": 0}
     worker._peagle_metadata_checks = checks
 
@@ -143,12 +152,7 @@ def _install_metadata_check(worker: Any) -> bool:
         if not num_draft_tokens.any():
             expected = vllm_metadata(runner, num_draft_tokens, cu_num_scheduled_tokens)
             checks["zero_draft_steps"] += 1
-            same = metadata.num_draft_tokens == expected.num_draft_tokens and all(
-                getattr(metadata, f).dtype == getattr(expected, f).dtype
-                and getattr(metadata, f).tolist() == getattr(expected, f).tolist()
-                for f in fields
-            )
-            checks["mismatches"] += not same
+            checks["mismatches"] += bool(metadata_differences(metadata, expected))
         return metadata
 
     runner._calc_spec_decode_metadata = checked

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -99,7 +100,16 @@ def init_distributed(device: str | None = None, timeout_s: float = 1800.0) -> Di
 
 
 def close_distributed(ctx: DistContext) -> None:
+    """Free what still holds the process group, then destroy it.
+
+    Gloo's worker threads live as long as anything references the group (FSDP's device
+    mesh does, through sharded parameters and optimizer state, often inside reference
+    cycles). Left to interpreter shutdown, their teardown can abort the process after a
+    finished run ("terminate called without an active exception", seen once on CI on a
+    rank of a completed FSDP job), so they are collected here while the interpreter is whole.
+    """
     if ctx.enabled and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

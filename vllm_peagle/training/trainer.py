@@ -394,10 +394,13 @@ class Trainer:
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
         exported: dict[str, str] = {}
+        # Under FSDP the trained drafter's parameters are shards that keep the process group
+        # alive; the result gets the gathered drafter, so the group can go before exit.
+        drafter = self.runner.plain_drafter()
         stopped_early = time_budget_s is not None and self.seconds >= time_budget_s
         if (self.step >= cfg.steps or stopped_early) and cfg.export:
-            exported = self.export()
-        return TrainResult(self.drafter, self.history, self.step, self.seconds, exported)
+            exported = self.export(drafter)
+        return TrainResult(drafter, self.history, self.step, self.seconds, exported)
 
     def _log(self, rec: dict[str, Any]) -> None:
         """Rank 0 appends each logged step to ``out/train_log.jsonl`` (repeats after a resume)."""
@@ -406,9 +409,10 @@ class Trainer:
             with open(self.out / LOG_FILE, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(rec) + "\n")
 
-    def export(self) -> dict[str, str]:
-        """Write the servable drafter (see :func:`~vllm_peagle.training.export.export_run`)."""
-        drafter = self.runner.plain_drafter()  # a collective under FSDP
+    def export(self, drafter: PEagleDrafter | None = None) -> dict[str, str]:
+        """Write the servable drafter (see :func:`~vllm_peagle.training.export.export_run`):
+        ``drafter``, or the trained one gathered (a collective under FSDP)."""
+        drafter = drafter if drafter is not None else self.runner.plain_drafter()
         if not self.dist.is_main:
             return {}
         return export_run(
@@ -436,6 +440,8 @@ def train(cfg: TrainConfig, resume: bool = True, progress: bool = True) -> Train
         trainer = Trainer(cfg, ctx)
         if resume and trainer.load_checkpoint() and ctx.is_main:
             print(f"resumed from step {trainer.step}", flush=True)
-        return trainer.run(progress=progress)
+        result = trainer.run(progress=progress)
+        del trainer  # its sharded modules and optimizer state hold the process group
+        return result
     finally:
         close_distributed(ctx)
