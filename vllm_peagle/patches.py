@@ -357,12 +357,17 @@ def _patch_model_runner(module: ModuleType) -> None:
     )
 
 
+def _drafts_with_peagle(runner: Any) -> bool:
+    """Whether the runner's drafter is ours and enabled: only such engines take patch 2."""
+    return getattr(runner.drafter, "peagle_enabled", False)
+
+
 def _plain_sampling_without_drafts(original: Callable[..., Any]) -> Callable[..., Any]:
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         if (
             spec_decode_metadata is not None
             and spec_decode_metadata.max_spec_len == 0
-            and getattr(self.drafter, "peagle_enabled", False)
+            and _drafts_with_peagle(self)
         ):
             spec_decode_metadata = None  # nothing to verify: vLLM's plain sampling branch
         return original(self, logits, spec_decode_metadata)
@@ -376,7 +381,7 @@ def _skip_drafting_when_k_is_zero(original: Callable[..., Any]) -> Callable[...,
     ) -> Any:
         if (
             scheduler_output.num_spec_tokens_to_schedule != 0
-            or not getattr(self.drafter, "peagle_enabled", False)
+            or not _drafts_with_peagle(self)
             or not hasattr(sampled_token_ids, "shape")
         ):
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
@@ -395,15 +400,11 @@ def _direct_metadata_without_drafts(original: Callable[..., Any]) -> Callable[..
     def _calc_spec_decode_metadata(
         self: Any, num_draft_tokens: Any, cu_num_scheduled_tokens: Any
     ) -> Any:
-        if num_draft_tokens.any() or not getattr(self.drafter, "peagle_enabled", False):
+        if num_draft_tokens.any() or not _drafts_with_peagle(self):
             return original(self, num_draft_tokens, cu_num_scheduled_tokens)
-        if not hasattr(self, "_peagle_zero_draft_tensors"):
-            self._peagle_zero_draft_tensors = {}
+        constants = self.__dict__.setdefault("_peagle_zero_draft_tensors", {})
         return zero_draft_metadata(
-            num_draft_tokens,
-            cu_num_scheduled_tokens,
-            self.input_ids.gpu,
-            self._peagle_zero_draft_tensors,
+            num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.gpu, constants
         )
 
     return _calc_spec_decode_metadata
@@ -464,7 +465,7 @@ def _no_copy_of_zero_drafts(original: Callable[..., Any]) -> Callable[..., Any]:
             zeros_only
             or not isinstance(drafts, torch.Tensor)
             or drafts.shape[1] != 0
-            or not getattr(self.drafter, "peagle_enabled", False)
+            or not _drafts_with_peagle(self)
         ):
             return original(self, scheduler_output, zeros_only)
         self.prev_num_spec_tokens = 0  # what vLLM records; no request ids: no drafts to take
