@@ -1,13 +1,13 @@
 """Where a server's decoding step goes: plain against P-EAGLE servers, phase by phase.
 
     python scripts/profile_server_steps.py [--configs none,adaptive] [--idle fixed:1,fixed:7]
-        [--temperature 0.7] [--rounds 6] [--requests 8]
+        [--temperature 0.7] [--concurrency 1] [--rounds 6] [--requests 8]
 
 Starts one ``vllm-peagle serve`` per bench configuration (``vllm-peagle bench`` names, on the
 bench models) with step phase timings on (patch ledger, entry 7), plus ``--idle`` servers
-that stay up unmeasured as in a bench sweep. It then sends the same requests one at a time
-to each measured server in interleaved rounds, and prints each server's tokens per second
-and, per phase, the median and mean milliseconds:
+that stay up unmeasured as in a bench sweep. It then sends the same requests
+(``--concurrency`` at a time) to each measured server in interleaved rounds, and prints
+each server's tokens per second and, per phase, the median and mean milliseconds:
 
 * engine core: ``step`` (a whole engine step), ``schedule``, ``update`` (vLLM's scheduler);
 * worker: ``execute`` (the model runner's step up to logits), ``forward`` (the target's
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=1)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="peagle-steps-"))
     os.environ[STEP_TIMINGS_ENV] = str(workdir / "timings")  # inherited by the servers
@@ -81,7 +82,9 @@ def main() -> None:
     try:
         wait_ready(servers)
         prompts = bench_prompts(args.requests, seed=3)
-        load = dict(concurrency=1, max_tokens=args.max_tokens, temperature=args.temperature)
+        load = dict(
+            concurrency=args.concurrency, max_tokens=args.max_tokens, temperature=args.temperature
+        )
         for server in measured:
             run_load(server.base_url, server.model, prompts[:4], **load)
         since = time.perf_counter()  # the warm-up's steps are left out
@@ -92,7 +95,10 @@ def main() -> None:
     finally:
         for server in servers:
             stop_server(server)
-    print(f"T={args.temperature}, concurrency 1, {args.rounds} rounds of {args.requests} requests")
+    print(
+        f"T={args.temperature}, concurrency {args.concurrency}, "
+        f"{args.rounds} rounds of {args.requests} requests"
+    )
     head = f"{'server':>10} {'tok/s':>7} " + " ".join(f"{p + ' p50/mean ms':>22}" for p in PHASES)
     print(head)
     for server in measured:

@@ -267,8 +267,9 @@ def test_k_falls_when_acceptance_collapses_and_rises_when_it_recovers():
         engine.step(AGREEING, COSTS)
     after_recovery = engine.k_history[recovered_at:]
     steps_to_rise = next(i for i, k in enumerate(after_recovery) if k >= 5)
-    # Recovery is seen through probes (every 16 steps), one more position per probe.
-    assert steps_to_rise <= 160, after_recovery[:180]
+    # Recovery is seen through probes, one more position per probe, and a probe forgets at
+    # most one half-life of the collapse: two probe intervals (~136 steps here) at most.
+    assert steps_to_rise <= 320, after_recovery[:340]
 
 
 class OverlappingEngine(SimulatedEngine):
@@ -374,12 +375,12 @@ def test_probes_are_spaced_to_cost_the_budget():
         engine.step(np.full(4, 0.05), CPU_COSTS)
     assert engine.k_history[-1] == 0
     late = engine.drafted[200:]
-    assert set(late) == {0, 4}, late
     plain = true_seconds(CPU_COSTS, 1, 0)
     overhead = (true_seconds(CPU_COSTS, 1, 4) - plain) / plain
     periods = max(1, math.ceil(overhead / config.probe_budget / config.probe_interval_steps))
     interval = config.probe_interval_steps * periods
     lone = [i for i in range(1, len(late) - 1) if late[i] and not (late[i - 1] or late[i + 1])]
+    assert {late[i] for i in lone} == {4}, late
     assert len(lone) == pytest.approx(len(late) / interval, abs=1.5), late
 
 

@@ -538,8 +538,14 @@ class KController:
             self.config.probe_budget,
             self.config.probe_interval_steps,
         )
+        # A cost probe drafts two steps where drafting is the contender: decide it on a
+        # cautious acceptance, or the few draws of acceptance probes (a drafter rarely
+        # accepted, at K=0) read as drafting within the margin every so often.
+        cautious_gains = expected_tokens_table(
+            self.acceptance.conditional(cautious=True), self.max_k
+        )
         self.cost_probe_k, self.cost_probe_interval = cost_probe_plan(
-            rates,
+            _rates(cautious_gains[None, :], seconds),
             seconds,
             last_measured,
             measured_steps,
