@@ -58,6 +58,25 @@ def test_acceptance_estimate_forgets_with_its_half_life():
     assert estimate.conditional()[0] < 0.2
 
 
+def test_a_position_never_tried_reads_as_the_one_before_it():
+    estimate = AcceptanceEstimate(4, half_life_steps=1e9)
+    for _ in range(50):  # the first draft always rejected: positions 2..4 never tried
+        estimate.observe_step([(4, 0)])
+    alphas = estimate.conditional()
+    assert alphas[0] < 0.05
+    np.testing.assert_allclose(alphas[1:], alphas[0], rtol=1e-9)
+
+
+def test_a_cautious_acceptance_doubts_few_draws_and_trusts_many():
+    estimate = AcceptanceEstimate(1, half_life_steps=1e9)
+    estimate.observe_step([(1, 1)])  # one draw, accepted
+    assert estimate.conditional(cautious=True)[0] <= 0.5 < estimate.conditional()[0]
+    for _ in range(400):
+        estimate.observe_step([(1, 1), (1, 0)])
+    assert estimate.conditional(cautious=True)[0] == pytest.approx(0.5, abs=0.01)
+    assert estimate.conditional()[0] == pytest.approx(0.5, abs=0.01)
+
+
 def true_seconds(c, batch, k, verified=None):
     """A step of ``batch`` requests verifying ``verified`` drafts each and drafting ``k``."""
     verified = k if verified is None else verified
@@ -622,6 +641,28 @@ def test_collapsed_acceptance_decodes_plainly_at_a_batch_size_where_only_draftin
         engine.step(poor, COSTS)
     assert k_at_8 == 0, engine.drafted[-40:]
     assert sum(1 for k in engine.drafted[-40:] if k) <= 3, engine.drafted[-40:]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_drafter_rarely_accepted_costs_little_more_than_plain_decoding(batch):
+    """At K=0 only probes verify, a few draws each: a lucky one (the target accepts 10 % of
+    first drafts) must not turn K up for steps at a time, nor make drafting look worth
+    re-measuring. The budget is 0.5 % for probes; the rest of the 1.5 % allowed is what a
+    run of good luck may still cost (with a 0.5 prior at untried positions and two half-lives
+    forgotten per probe it was 3-6 %)."""
+    extra = []
+    for seed in range(6):
+        controller = KController(7, 16, AdaptiveConfig())
+        engine = SimulatedEngine(controller, batch=1, seed=seed)
+        for run_batch, alphas, steps in ((1, AGREEING, 200), (batch, np.full(7, 0.1), 600)):
+            engine.batch = run_batch
+            for _ in range(steps):
+                engine.step(alphas, COSTS)
+        late = engine.drafted[-400:]
+        seconds = sum(true_seconds(COSTS, batch, k) for k in late)
+        extra.append(seconds / (len(late) * true_seconds(COSTS, batch, 0)) - 1)
+        assert controller.policy_k[batch] == 0
+    assert np.mean(extra) < 0.015, extra
 
 
 def test_no_probe_drafts_over_prompts_while_requests_wait():
