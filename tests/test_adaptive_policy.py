@@ -13,7 +13,14 @@ from vllm_peagle.adaptive.estimates import (
     StepCostModel,
     expected_tokens,
 )
-from vllm_peagle.adaptive.policy import AdaptiveConfig, KController, best_k, rate_table
+from vllm_peagle.adaptive.policy import (
+    AdaptiveConfig,
+    KController,
+    best_k,
+    cost_probe_plan,
+    expected_tokens_table,
+    rate_table,
+)
 from vllm_peagle.adaptive.scheduler import useful_drafts
 
 
@@ -422,6 +429,7 @@ def test_hysteresis_stops_flapping_between_near_equal_choices():
         ("yes", "must be true, false or an object"),
         ({"min_k": -1}, "min_k >= 0"),
         ({"speed": 2}, "Unknown 'adaptive' setting"),
+        ({"first_drafting_probe_loss_share": 0}, "0 < first_drafting_probe_loss_share <= 1"),
     ],
 )
 def test_bad_adaptive_settings_are_clear_errors(setting, message):
@@ -568,6 +576,39 @@ def test_a_dear_first_cost_probe_waits_until_its_batch_size_has_run_long_enough(
     last_measured = engine.controller.correction.table(64, engine.controller.cost.coefficients())[1]
     assert last_measured[64, 7] > 200, last_measured[64]
     assert engine.controller.policy_k[64] == 0
+
+
+def test_a_first_drafting_probe_waits_in_proportion_to_what_it_may_lose():
+    """Where the model predicts drafting short of plain decoding by ~10 % (batch 32 here), its
+    two-step probe risks under two plain steps and comes after the usual 16; at batch 64
+    (~27 % short, ~5 plain steps at risk) it waits ~55. A fixed 64-step wait never measured
+    drafting at a batch size reached only in short runs: on the CPU bench at concurrency 16
+    (~60 steps a run, fresh servers) K=7 was 1.2x plain and adaptive K never drafted."""
+    config = AdaptiveConfig()
+    costs = BurstEngine.costs
+    batch = np.arange(65)[:, None]
+    k = np.arange(8)[None, :]
+    seconds = true_seconds(costs, np.maximum(batch, 1), k)
+    gains = expected_tokens_table(np.array([0.93] + [0.99] * 6), 7)
+    rates = gains[None, :] / seconds
+    relative = rates[:, 1:].max(axis=1) / rates[:, 0]
+    assert 0.85 < relative[32] < 0.95 and relative[64] < 0.8, relative[[32, 64]]
+    policy_k = np.where(batch[:, 0] < 32, 7, 0)
+    last_measured = np.full(seconds.shape, -(10**9))
+    last_measured[:, 0] = 100
+    last_measured[:8, 1:] = 100  # drafting measured at batch sizes below 8 only
+    measured_steps = np.zeros(seconds.shape, dtype=int)
+    measured_steps[:, 0] = 20  # plain steps run so far at each batch size
+
+    def probe_k(steps_at_64: int) -> np.ndarray:
+        measured_steps[64, 0] = steps_at_64
+        return cost_probe_plan(
+            rates, seconds, last_measured, measured_steps, policy_k, 200, config
+        )[0]
+
+    assert probe_k(20)[32] == 7
+    assert probe_k(20)[64] == 0
+    assert probe_k(60)[64] == 7
 
 
 def test_no_first_drafting_probe_at_a_large_batch_where_drafting_loses_at_batch_one():

@@ -37,7 +37,8 @@ Around the argmax sit four guards:
   (:class:`~vllm_peagle.adaptive.estimates.CostCorrection`). A shape is measured again once
   ``cost_refresh_steps`` old, as often as ``probe_budget`` allows. A cost probe waits until
   the policy's K has run ``cost_probe_after_steps`` steps at that batch size (the first
-  steps after a burst of prompts run slow; a first probe of drafting waits
+  steps after a burst of prompts run slow; a first probe of drafting waits until its
+  predicted loss is a small share of the steps run there, at most
   ``first_drafting_probe_after_steps``, as a burst that drains soon never repays it, and is
   skipped where drafting pays at no smaller batch size: its cost over a plain step's only
   grows with the batch), and drafting replaces plain decoding at a batch size only once
@@ -96,9 +97,15 @@ class AdaptiveConfig:
     the other kind there: the first steps after a burst of prompts run slow (fresh cache
     memory), and a comparison against them alone would favour the other kind."""
     first_drafting_probe_after_steps: int = 64
-    """Plain decoding steps a batch size must have run before drafting is first measured
+    """Most plain decoding steps a batch size must have run before drafting is first measured
     there: a drafting probe on a compute-bound target costs several plain steps, which a
     batch size that comes and goes (a burst that drains in a few dozen steps) never repays."""
+    first_drafting_probe_loss_share: float = 0.1
+    """A first drafting probe at a batch size comes once its predicted loss is at most this
+    share of the plain steps run there (at least ``cost_probe_after_steps``, at most
+    ``first_drafting_probe_after_steps``): a cheap probe need not wait as long as a dear
+    one, and a batch size reached only in short runs (a CPU bench run at concurrency 16 has
+    ~60 decoding steps at 16) is otherwise never measured drafting."""
     update_interval_steps: int = 4
     """Decoding steps between re-evaluations of the K table (4x as many while no step
     verifies drafts: plain decoding steps bring only step times)."""
@@ -133,11 +140,13 @@ class AdaptiveConfig:
             or config.cost_refresh_steps < 1
             or config.cost_probe_after_steps < 0
             or config.first_drafting_probe_after_steps < 0
+            or not 0 < config.first_drafting_probe_loss_share <= 1
         ):
             raise ValueError(
                 "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1, "
                 "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1, cost_refresh_steps >= 1, "
-                "cost_probe_after_steps >= 0 and first_drafting_probe_after_steps >= 0. "
+                "cost_probe_after_steps >= 0, first_drafting_probe_after_steps >= 0 and "
+                "0 < first_drafting_probe_loss_share <= 1. "
                 f"Fix: correct {setting!r}."
             )
         return config
@@ -246,8 +255,10 @@ def cost_probe_plan(
     policy's own K has run ``cost_probe_after_steps`` steps there (``measured_steps``: steps
     measured per batch size and K), so the two steps of the contender are compared with a
     settled measurement of the incumbent; drafting is first measured at a batch size once
-    plain decoding has run ``first_drafting_probe_after_steps`` steps there (a burst that
-    drains within a few dozen steps is not worth a dear probe).
+    plain decoding has run there long enough that the probe's predicted loss (two steps at the
+    lower rate) is at most ``first_drafting_probe_loss_share`` of that time, and at most
+    ``first_drafting_probe_after_steps`` steps (a burst that drains within a few dozen steps is
+    not worth a dear probe; a cheap one pays within a short run).
     """
     rows = np.arange(len(policy_k))
     k = np.arange(seconds.shape[1])[None, :]
@@ -263,14 +274,17 @@ def cost_probe_plan(
     drafting_pays = drafting_rate > rates[:, 0] * (1 + config.hysteresis)
     ruled_out = first_drafting & ~np.maximum.accumulate(drafting_pays)
     contends = (never_measured & ~ruled_out) | (stale & (relative >= 1 - config.cost_probe_margin))
-    wait = np.where(
-        first_drafting, config.first_drafting_probe_after_steps, config.cost_probe_after_steps
+    lost = 2 * seconds[rows, contender] * np.maximum(1 - relative, 0)
+    overhead = lost / np.maximum(seconds[rows, policy_k], 1e-12)
+    first_wait = np.clip(
+        np.ceil(overhead / config.first_drafting_probe_loss_share),
+        config.cost_probe_after_steps,
+        max(config.first_drafting_probe_after_steps, config.cost_probe_after_steps),
     )
+    wait = np.where(first_drafting, first_wait, config.cost_probe_after_steps)
     settled = measured_steps[rows, policy_k] >= wait
     due = (config.cost_probe_margin > 0) & other_kind.any(axis=1) & contends & settled
     probe_k = np.where(due, contender, policy_k)
-    lost = 2 * seconds[rows, contender] * np.maximum(1 - relative, 0)
-    overhead = lost / np.maximum(seconds[rows, policy_k], 1e-12)
     interval = config.probe_interval_steps
     periods = np.maximum(1, np.ceil(overhead / max(config.probe_budget, 1e-6) / interval))
     periods = np.where(never_measured, 1, periods)
