@@ -690,7 +690,7 @@ def test_a_drafter_rarely_accepted_costs_little_more_than_plain_decoding(batch):
     first drafts) must not turn K up for steps at a time, nor make drafting look worth
     re-measuring. The budget is 0.5 % for probes; the rest of the 1.5 % allowed is what a
     run of good luck may still cost (with a 0.5 prior at untried positions and two half-lives
-    forgotten per probe it was 3-6 %)."""
+    forgotten per probe it was ~6 % at batch 1, ~1 % at batch 2)."""
     extra = []
     for seed in range(6):
         controller = KController(7, 16, AdaptiveConfig())

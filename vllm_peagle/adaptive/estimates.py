@@ -38,7 +38,7 @@ class AcceptanceEstimate:
     past, though never more than one half-life's worth of forgetting: a single probe at batch
     size 1 is one draw, too few to discard most of what is known before it. (With two, one
     lucky probe of a drafter the target accepts 10 % of the time turned K up for a few
-    steps often enough to cost ~3 % over plain decoding in simulation, against ~1 % now;
+    steps often enough to cost ~6 % over plain decoding in simulation, against ~1 % now;
     a recovered drafter is seen within two probes instead of one.)
     """
 
