@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_peagle.bench.configs import fixed_k, label
+from vllm_peagle.bench.stats import median, median_interval, same_round_ratios
 
 ADAPTIVE_RATIO = "adaptive/best fixed"
 
@@ -146,7 +147,9 @@ def adaptive_section(doc: dict[str, Any]) -> list[str]:
             cells.append(f"{r['configs']['adaptive']['output_tok_s']:.1f}")
             if entry is not None and entry["median"] is not None:
                 ratios.append((entry["median"], r))
-                cells.append(f"{_x(entry['median'])} vs {label(entry['best'])}")
+                interval = median_interval(entry["runs"])
+                spread = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
+                cells.append(f"{_x(entry['median'])}{spread} vs {label(entry['best'])}")
             else:
                 cells.append("-")
             lines.append("| " + " | ".join(cells) + " |")
@@ -169,14 +172,41 @@ def adaptive_section(doc: dict[str, Any]) -> list[str]:
             + ", ".join(f"{v:.2f}×" for v in c1)
             + ").",
             "",
+            *_uncertainty_lines(ratios, 0.97),
         ]
     return lines
 
 
+def _uncertainty_lines(ratios: list[tuple[float, dict[str, Any]]], goal: float) -> list[str]:
+    """Which cells' misses the repeats can tell from noise, by the median's interval."""
+    sizes, clear, unclear = set(), [], []
+    for value, row in ratios:
+        runs = row["ratios"][ADAPTIVE_RATIO]["runs"]
+        interval = median_interval(runs)
+        if interval is None:
+            continue
+        sizes.add((len(runs), round(100 * interval[2])))
+        where = f"c={row['concurrency']} {_mode(row['temperature'])} {value:.3f}×"
+        if interval[1] < goal:
+            clear.append(where)
+        elif value < goal:
+            unclear.append(where)
+    if not sizes:
+        return []
+    described = ", ".join(f"{c} % with {n} repeats" for n, c in sorted(sizes))
+    return [
+        f"In brackets: an interval of order statistics of the repeats' same-round ratios "
+        f"(with 8 repeats, the second smallest to the second largest) that holds the cell's "
+        f"true median ratio with a probability that does not depend on how the noise is "
+        f"distributed ({described}). Below {goal:.2f}× with the whole interval below too: "
+        f"{', '.join(clear) or 'none'}; below {goal:.2f}× by the median only, the interval "
+        f"reaching {goal:.2f}×: {', '.join(unclear) or 'none'}.",
+        "",
+    ]
+
+
 def _c1_against_fixed(row: dict[str, Any]) -> float | None:
     """Adaptive over the best *speculative* fixed K (by median) of a row, same-round median."""
-    from vllm_peagle.bench.stats import median, same_round_ratios
-
     fixed = [n for n in row["configs"] if fixed_k(n) is not None or n == "peagle"]
     if "adaptive" not in row["configs"] or not fixed:
         return None
