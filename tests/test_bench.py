@@ -245,6 +245,49 @@ def test_adaptive_table_tells_clear_misses_from_noise():
     assert "the interval reaching 0.97×: c=2 greedy 0.960×." in page
 
 
+def test_an_interrupted_sweep_rebuilds_from_its_complete_rounds(tmp_path):
+    from vllm_peagle.bench.results import render
+    from vllm_peagle.cli import main
+
+    names = ["none", "fixed:4", "adaptive"]
+    runs = []
+    for repeat in range(3):
+        for c in (1, 2):
+            runs += [
+                _run("none", repeat, 100, c=c),
+                _run("fixed:4", repeat, 300, 10, (8, 6, 4, 2), c=c),
+                _run("adaptive", repeat, 290 + repeat, 10, (8, 6, 4, 2), c=c),
+            ]
+    runs = runs[:-2]  # stopped inside repeat 2's round at c=2: only "none" ran there
+    # A configuration the sweep did not name (another sweep's log) is not read either.
+    runs.append(_run("fixed:1", 0, 999, c=1))
+    logs = tmp_path / "cpu_adaptive_logs"
+    logs.mkdir()
+    (logs / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    paths = [f"--{m}" for m in ("target", "peagle-drafter", "eagle3-drafter")]
+    argv = ["bench", *(x for p in paths for x in (p, str(tmp_path / p[2:]))), "--no-plots"]
+    argv += ["--configs", ",".join(names), "--repeats", "8", "--out-dir", str(tmp_path)]
+    argv += ["--name", "cpu_adaptive", "--from-runs", str(logs / "runs.jsonl")]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "cpu_adaptive.json").read_text())
+    counted = {(r["concurrency"], r["repeat"]): 0 for r in doc["runs"]}
+    for r in doc["runs"]:
+        counted[r["concurrency"], r["repeat"]] += 1
+    assert counted == {(1, 0): 3, (2, 0): 3, (1, 1): 3, (2, 1): 3, (1, 2): 3}
+    rebuilt = doc["provenance"]["rebuilt"]
+    assert rebuilt["runs"] == 15 and rebuilt["repeats"] == [0, 1, 2]
+    assert rebuilt["start_recorded"] is False  # this log has no provenance.json beside it
+    page = render(tmp_path)
+    assert "from the 15 runs of its complete rounds, 3 of 8 repeats" in page
+    assert "the sweep's start was not recorded" in page
+    with pytest.raises(SystemExit, match="no round in which every configuration"):
+        main(
+            [*argv[: argv.index("--configs") + 1], "none,fixed:2", *argv[argv.index("--repeats") :]]
+        )
+    with pytest.raises(SystemExit, match="no such file"):
+        main([*argv[:-1], str(tmp_path / "missing.jsonl")])
+
+
 def _tiny_bench_argv(local_models, peagle_drafter, out_dir, name: str) -> list[str]:
     """``vllm-peagle bench`` on the test models, greedy, without plots."""
     return [
@@ -306,6 +349,19 @@ def test_bench_smoke_on_tiny_models(local_models, trained_peagle, tmp_path):
     peagle_runs = [r for r in runs if r["config"] == "peagle"]
     assert all(r["num_drafts"] > 0 for r in peagle_runs)
     assert "P-EAGLE (ours) tok/s" in (tmp_path / "smoke.md").read_text()
+    # The sweep's start is recorded beside its runs, and an interrupted sweep's runs rebuild
+    # the same tables: cut the last run, so only c=1's round is complete.
+    logs = tmp_path / "smoke_logs"
+    at_start = json.loads((logs / "provenance.json").read_text())
+    assert doc["provenance"] == at_start | {"sweep_seconds": doc["provenance"]["sweep_seconds"]}
+    cut = logs / "cut.jsonl"
+    cut.write_text("\n".join((logs / "runs.jsonl").read_text().splitlines()[:-1]))
+    rebuild = [*argv[: argv.index("--name") + 1], "rebuilt", *argv[argv.index("--name") + 2 :]]
+    assert main([*rebuild, "--from-runs", str(cut)]) == 0
+    rebuilt = json.loads((tmp_path / "rebuilt.json").read_text())
+    assert rebuilt["summary"] == [row for row in doc["summary"] if row["concurrency"] == 1]
+    assert rebuilt["provenance"]["time_utc"] == doc["provenance"]["time_utc"]
+    assert rebuilt["provenance"]["rebuilt"]["runs"] == 4
 
 
 @pytest.mark.engine

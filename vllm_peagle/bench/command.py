@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -80,6 +81,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "depends on where its processes land; repeats then sample that instead of sharing it)",
     )
     p.add_argument(
+        "--from-runs",
+        default=None,
+        metavar="RUNS_JSONL",
+        help="measure nothing: write the outputs from the runs.jsonl an interrupted sweep "
+        "left in <out-dir>/<name>_logs (rounds where every configuration ran); pass the "
+        "sweep's own options too, so the tables know its configurations",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=1800.0,
@@ -87,9 +96,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+RUNS_FILE = "runs.jsonl"
+PROVENANCE_FILE = "provenance.json"
+
+
+def rebuilt_runs(path: Path, settings: Any) -> tuple[list[dict], dict | None]:
+    """The complete rounds of an interrupted sweep's ``runs.jsonl``, and the provenance of
+    its start (written beside it; None for sweeps older than ``--from-runs``)."""
+    from vllm_peagle.bench.stats import complete_rounds
+
+    if not path.is_file():
+        raise SystemExit(f"vllm-peagle bench: --from-runs {path}: no such file")
+    runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = complete_rounds(
+        [r for r in runs if r["config"] in settings.configs], settings.configs
+    )
+    if not records:
+        raise SystemExit(
+            f"vllm-peagle bench: --from-runs {path}: no round in which every configuration of "
+            f"--configs {','.join(settings.configs)} ran; pass the sweep's own --configs"
+        )
+    start = path.parent / PROVENANCE_FILE
+    return records, json.loads(start.read_text()) if start.is_file() else None
+
+
 def run(args: argparse.Namespace) -> int:
     from vllm_peagle.bench.configs import resolve
-    from vllm_peagle.bench.report import document, markdown, write_outputs
+    from vllm_peagle.bench.report import document, markdown, provenance, write_outputs
     from vllm_peagle.bench.sweep import SweepSettings, run_sweep
     from vllm_peagle.bench.target import BenchModels, ensure_bench_models, ensure_tiny_models
 
@@ -138,16 +171,23 @@ def run(args: argparse.Namespace) -> int:
         )
     resolve(list(settings.configs), settings.ks[0], models)  # unknown names fail before servers
     out_dir = Path(args.out_dir)
-    # Each run is appended as it finishes, so an interrupted sweep keeps what it measured.
-    partial = out_dir / f"{args.name}_logs" / "runs.jsonl"
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text("")
+    argv = sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"]
+    if args.from_runs:
+        records, at_start = rebuilt_runs(Path(args.from_runs), settings)
+    else:
+        at_start = provenance(argv)
+        # Each run is appended as it finishes, so an interrupted sweep keeps what it measured
+        # (--from-runs turns it into the outputs); the provenance is of the sweep's start.
+        partial = out_dir / f"{args.name}_logs" / RUNS_FILE
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+        (partial.parent / PROVENANCE_FILE).write_text(json.dumps(at_start, indent=1))
 
-    def keep(record: dict) -> None:
-        with partial.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
+        def keep(record: dict) -> None:
+            with partial.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
 
-    records = run_sweep(settings, models, out_dir / f"{args.name}_logs", on_record=keep)
+        records = run_sweep(settings, models, out_dir / f"{args.name}_logs", on_record=keep)
     configs = {
         f"K={k}": {
             c.name: {"speculative_config": c.speculative_config, "server_args": list(c.server_args)}
@@ -173,9 +213,22 @@ def run(args: argparse.Namespace) -> int:
         asdict(settings),
         configs,
         model_info,
-        sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"],
+        argv,
     )
-    doc["provenance"]["sweep_seconds"] = round(time.perf_counter() - t0, 1)
+    rebuilt = doc["provenance"]
+    # Without the sweep's own start record, the rebuild's (commit, versions, load) stands in.
+    doc["provenance"] = at_start or rebuilt
+    if args.from_runs:
+        doc["provenance"]["rebuilt"] = {
+            "from": args.from_runs,
+            "time_utc": rebuilt["time_utc"],
+            "command": rebuilt["command"],
+            "runs": len(records),
+            "repeats": sorted({r["repeat"] for r in records}),
+            "start_recorded": at_start is not None,
+        }
+    else:
+        doc["provenance"]["sweep_seconds"] = round(time.perf_counter() - t0, 1)
     written = write_outputs(doc, out_dir, args.name, plots=plots)
     print(markdown(doc))
     for path in written:

@@ -53,7 +53,24 @@ def _verdict(values: Iterable[float | None], goal: float, at_most: bool = False)
 def provenance_lines(doc: dict[str, Any]) -> list[str]:
     p = doc["provenance"]
     machine = p["machine"]
-    load = machine.get("load_average") or []
+    load = ", ".join(f"{v:.1f}" for v in (machine.get("load_average") or [])[:3]) or "?"
+    rebuilt = p.get("rebuilt")
+    if rebuilt is None:
+        when = f"load average at start {load}; the sweep took {p.get('sweep_seconds', 0):.0f} s"
+    else:
+        repeats = rebuilt["repeats"]
+        when = (
+            f"stopped before it finished and rebuilt {rebuilt['time_utc']} "
+            f"(`{rebuilt['command']}`) from the {rebuilt['runs']} runs of its complete rounds, "
+            f"{len(repeats)} of "
+            f"{doc['settings'].get('repeats', '?')} repeats"
+            + (
+                f"; load average at start {load}"
+                if rebuilt["start_recorded"]
+                else f"; the sweep's start was not recorded, so the time, commit, versions and "
+                f"load average ({load}) are the rebuild's"
+            )
+        )
     return [
         "```bash",
         p["command"],
@@ -61,9 +78,7 @@ def provenance_lines(doc: dict[str, Any]) -> list[str]:
         "",
         f"Run {p['time_utc']} at commit `{(p.get('git_commit') or '?')[:10]}`"
         f"{' (uncommitted changes)' if p.get('git_dirty') else ''}, "
-        f"{machine['cpu_count']} × {machine['cpu']}, load average at start "
-        f"{', '.join(f'{v:.1f}' for v in load[:3]) or '?'}; the sweep took "
-        f"{p.get('sweep_seconds', 0):.0f} s. Versions: "
+        f"{machine['cpu_count']} × {machine['cpu']}, {when}. Versions: "
         + ", ".join(f"{k} {v}" for k, v in p["versions"].items() if v)
         + ".",
     ]

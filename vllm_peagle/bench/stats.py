@@ -106,6 +106,19 @@ def same_round_ratios(
     ]
 
 
+def complete_rounds(
+    records: Sequence[dict[str, Any]], names: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The runs of rounds in which every configuration of ``names`` ran (a round: one K,
+    temperature, concurrency and repeat). An interrupted sweep stops inside a round; its
+    partial round would give some configurations one more run than the rest."""
+    key = ("k", "temperature", "concurrency", "repeat")
+    seen: dict[tuple, set[str]] = {}
+    for record in records:
+        seen.setdefault(tuple(record[f] for f in key), set()).add(record["config"])
+    return [r for r in records if seen[tuple(r[f] for f in key)] >= set(names)]
+
+
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One configuration at one (K, temperature, concurrency) over its repeats: medians of
     per-run figures, latency percentiles over all requests, acceptance over all runs."""
