@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_runs:
         records, at_start = rebuilt_runs(Path(args.from_runs), settings)
     else:
-        at_start = provenance(argv)
+        at_start = provenance(argv) | {"recorded": "at start"}
         # Each run is appended as it finishes, so an interrupted sweep keeps what it measured
         # (--from-runs turns it into the outputs); the provenance is of the sweep's start.
         partial = out_dir / f"{args.name}_logs" / RUNS_FILE

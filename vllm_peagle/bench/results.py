@@ -55,8 +55,10 @@ def provenance_lines(doc: dict[str, Any]) -> list[str]:
     machine = p["machine"]
     load = ", ".join(f"{v:.1f}" for v in (machine.get("load_average") or [])[:3]) or "?"
     rebuilt = p.get("rebuilt")
+    # Sweeps before the start record read the machine when they finished.
+    load = f"load average {p.get('recorded', 'when it finished')} {load}"
     if rebuilt is None:
-        when = f"load average at start {load}; the sweep took {p.get('sweep_seconds', 0):.0f} s"
+        when = f"{load}; the sweep took {p.get('sweep_seconds', 0):.0f} s"
     else:
         repeats = rebuilt["repeats"]
         when = (
@@ -65,10 +67,10 @@ def provenance_lines(doc: dict[str, Any]) -> list[str]:
             f"{len(repeats)} of "
             f"{doc['settings'].get('repeats', '?')} repeats"
             + (
-                f"; load average at start {load}"
+                f"; {load}"
                 if rebuilt["start_recorded"]
                 else f"; the sweep's start was not recorded, so the time, commit, versions and "
-                f"load average ({load}) are the rebuild's"
+                f"{load} are the rebuild's"
             )
         )
     return [
