@@ -3,6 +3,7 @@ tiny local models through real `vllm-peagle serve` servers (engine)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -20,6 +21,7 @@ from vllm_peagle.bench.stats import (
     same_round_ratios,
     summarize_run,
 )
+from vllm_peagle.bench.sweep import round_order
 from vllm_peagle.bench.target import BenchModels
 from vllm_peagle.metrics import SpecDecodeCounters
 
@@ -87,6 +89,25 @@ def _run(config, repeat, tok_s, drafts=None, accepted=(), c=1):
             accepted_per_position=list(accepted),
         )
     return run
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])
+def test_round_order_balances_positions_and_predecessors(n):
+    """Over one cycle of repeats every configuration runs at every position equally often
+    and right after every other one equally often (a rotation would give each the same
+    predecessor every time)."""
+    cycle = n if n % 2 == 0 else 2 * n
+    orders = [round_order(n, r) for r in range(cycle)]
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    for position in range(n):
+        counts = [sum(order[position] == c for order in orders) for c in range(n)]
+        assert counts == [cycle // n] * n
+    pairs = [(a, b) for order in orders for a, b in itertools.pairwise(order)]
+    if n > 1:
+        expected = len(pairs) // (n * (n - 1))
+        assert expected >= 1
+        assert all(pairs.count((a, b)) == expected for a in range(n) for b in range(n) if a != b)
+    assert round_order(n, cycle + 1) == orders[1 % cycle]
 
 
 def test_same_round_ratios_pair_runs_of_the_same_repeat():
@@ -392,6 +413,9 @@ def test_bench_fresh_servers_start_new_processes_for_each_repeat(local_models, t
         ("peagle", 0),
         ("peagle", 1),
     ]
+    measured = (tmp_path / "fresh_logs" / "runs.jsonl").read_text().splitlines()
+    order = [(json.loads(line)["config"], json.loads(line)["repeat"]) for line in measured]
+    assert order == [("none", 0), ("peagle", 0), ("peagle", 1), ("none", 1)]
     logs = sorted(p.name.split("-")[0] for p in (tmp_path / "fresh_logs").glob("*.log"))
     assert logs == ["none", "none", "peagle", "peagle"]  # one server per config and repeat
 

@@ -81,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "depends on where its processes land; repeats then sample that instead of sharing it)",
     )
     p.add_argument(
+        "--settle-s",
+        type=float,
+        default=None,
+        help="seconds between runs (default 1.2: vLLM's message queue keeps the last "
+        "server's worker polling for 1 s after a run)",
+    )
+    p.add_argument(
         "--from-runs",
         default=None,
         metavar="RUNS_JSONL",
@@ -152,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
         start_one_at_a_time=args.start_one_at_a_time,
         all_k_at_once=args.all_k_at_once,
         fresh_servers=args.fresh_servers,
+        **({} if args.settle_s is None else {"settle_s": args.settle_s}),
         request_seeds=args.request_seeds,
     )
+    if settings.settle_s < 0:
+        raise SystemExit(f"vllm-peagle bench: --settle-s {settings.settle_s}: pass seconds >= 0")
     t0 = time.perf_counter()
     overrides = (args.target, args.peagle_drafter, args.eagle3_drafter)
     if all(overrides):  # nothing to build or train

@@ -2,10 +2,11 @@
 
 For each K the servers of all configurations are kept up together, and each repeat runs
 every configuration once, back to back, at the same (temperature, concurrency) before the
-next repeat starts (round-robin, starting configuration rotated per repeat). Ratios are
-then taken within a repeat, between runs that saw the same load from the rest of the
-machine. A configuration that does not depend on K (no speculation) keeps its server
-across K groups but is measured again in every group, so every group has its own baseline.
+next repeat starts (round-robin, in an order that changes per repeat: see
+:func:`round_order`). Ratios are then taken within a repeat, between runs that saw the same
+load from the rest of the machine. A configuration that does not depend on K (no
+speculation) keeps its server across K groups but is measured again in every group, so
+every group has its own baseline.
 With ``fresh_servers`` each repeat is a pass over every temperature and concurrency on
 servers started for it, so a server's luck of placement is not shared by all repeats.
 """
@@ -13,6 +14,7 @@ servers started for it, so a server's luck of placement is not shared by all rep
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,12 @@ class SweepSettings:
     device-wide free memory, which other servers starting alongside would disturb)."""
     all_k_at_once: bool = False
     """Keep the servers of every K up for the whole sweep (one start-up phase, more memory)."""
+    settle_s: float = 1.2
+    """Seconds between the end of one run and the start of the next. vLLM's shared-memory
+    message queue keeps a reader polling (``sched_yield``) for 1 s after its last read
+    (``busy_loop_s`` in vllm/distributed/device_communicators/shm_broadcast.py), so without
+    a gap the previous server's worker spins through the first second of the next run, on
+    the same cores; runs at concurrency 8 last about a second on a 2-core host."""
     fresh_servers: bool = False
     """Start every server afresh for each repeat (repeats become passes over every
     temperature and concurrency). Two identical plain servers on a 2-core host measured
@@ -82,6 +90,30 @@ class SweepSettings:
     def total_runs(self) -> int:
         per_k = len(self.temperatures) * len(self.concurrency) * self.repeats
         return len(self.ks) * per_k * len(self.configs)
+
+
+def round_order(num_configs: int, repeat: int) -> list[int]:
+    """The order in which a repeat runs the configurations (indices into the table order).
+
+    A balanced Latin square (Williams design): over ``num_configs`` repeats (twice that for
+    an odd number) every configuration runs at every position equally often and right
+    after every other configuration equally often. A rotation of one fixed order keeps the
+    same predecessor for each configuration in every repeat, so whatever a run leaves behind
+    (a worker still polling its queue, a cache the next server must refill) would bias the
+    same pair of configurations in every repeat.
+    """
+    n = num_configs
+    base = [0]
+    low, high = 1, n - 1
+    while len(base) < n:
+        base.append(low)
+        low += 1
+        if len(base) < n:
+            base.append(high)
+            high -= 1
+    row = repeat % (n if n % 2 == 0 else 2 * n)
+    order = [(b + row) % n for b in base]
+    return order if row < n else order[::-1]
 
 
 def bench_prompts(num: int, seed: int = 0) -> list[str]:
@@ -210,8 +242,10 @@ def run_sweep(
                 max_tokens=max_tokens,
                 temperature=0.0,
             )
+        last_end[0] = time.monotonic()
 
     bar = tqdm(total=settings.total_runs(), desc="bench", disable=not progress, unit="run")
+    last_end = [0.0]  # when the last measured run (or warm-up) ended
 
     def warm_up_at(
         pool: ServerPool, temperature: float, configs: list[BenchConfig], k: int
@@ -230,6 +264,7 @@ def run_sweep(
                 max_tokens=settings.max_tokens,
                 temperature=temperature,
             )
+        last_end[0] = time.monotonic()
 
     def run_round(
         pool: ServerPool,
@@ -239,11 +274,12 @@ def run_sweep(
         repeat: int,
         configs: list[BenchConfig],
     ) -> None:
-        """Every configuration once at (temperature, c), back to back, start rotated."""
+        """Every configuration once at (temperature, c), back to back, in the repeat's order."""
         batch = prompts[: settings.requests(c)]
-        shift = repeat % len(configs)
-        for config in configs[shift:] + configs[:shift]:
+        for index in round_order(len(configs), repeat):
+            config = configs[index]
             bar.set_description(f"bench K={k} T={temperature} c={c} {config.name}")
+            time.sleep(max(0.0, last_end[0] + settings.settle_s - time.monotonic()))
             run = measure(
                 pool.server(config),
                 batch,
@@ -260,6 +296,7 @@ def run_sweep(
                 "repeat": repeat,
                 **run,
             }
+            last_end[0] = time.monotonic()
             records.append(record)
             if on_record is not None:
                 on_record(record)
