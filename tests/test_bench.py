@@ -309,6 +309,34 @@ def test_an_interrupted_sweep_rebuilds_from_its_complete_rounds(tmp_path):
         main([*argv[:-1], str(tmp_path / "missing.jsonl")])
 
 
+def test_a_rebuild_serves_the_models_its_sweep_recorded(tmp_path, monkeypatch):
+    """--from-runs without model paths reads them from the sweep's start record: writing a
+    report builds or trains nothing."""
+    import vllm_peagle.bench.target as target
+    from vllm_peagle.cli import main
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a rebuild from recorded runs started building the bench models")
+
+    monkeypatch.setattr(target, "ensure_bench_models", no_build)
+    logs = tmp_path / "recorded_logs"
+    logs.mkdir()
+    runs = [_run(name, 0, rate, c=1) for name, rate in (("none", 100), ("fixed:2", 150))]
+    (logs / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    recorded = {m: str(tmp_path / "elsewhere" / m) for m in ("target", "peagle", "eagle3")}
+    start = {"time_utc": "2026-12-07T00:00:00", "recorded": "at start"}
+    (logs / "provenance.json").write_text(
+        json.dumps(start | {"models": recorded | {"root": str(tmp_path / "elsewhere")}})
+    )
+    argv = ["bench", "--models", "bench", "--configs", "none,fixed:2", "--no-plots"]
+    argv += ["--out-dir", str(tmp_path), "--name", "recorded"]
+    assert main([*argv, "--from-runs", str(logs / "runs.jsonl")]) == 0
+    doc = json.loads((tmp_path / "recorded.json").read_text())
+    assert {m: doc["models"][m] for m in recorded} == recorded
+    assert recorded["peagle"] in json.dumps(doc["configs"])
+    assert doc["provenance"]["time_utc"] == start["time_utc"]
+
+
 def _tiny_bench_argv(local_models, peagle_drafter, out_dir, name: str) -> list[str]:
     """``vllm-peagle bench`` on the test models, greedy, without plots."""
     return [

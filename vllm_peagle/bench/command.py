@@ -127,11 +127,32 @@ def rebuilt_runs(path: Path, settings: Any) -> tuple[list[dict], dict | None]:
     return records, json.loads(start.read_text()) if start.is_file() else None
 
 
+def bench_models(args: argparse.Namespace, recorded: dict[str, str] | None) -> Any:
+    """The models a sweep serves: the paths passed, else those a rebuilt sweep recorded at
+    its start (nothing to build for a report), else the cached build (built if missing)."""
+    from vllm_peagle.bench.target import BenchModels, ensure_bench_models, ensure_tiny_models
+
+    if all((args.target, args.peagle_drafter, args.eagle3_drafter)):  # nothing to build
+        target = Path(args.target)
+        return BenchModels(
+            target, Path(args.peagle_drafter), Path(args.eagle3_drafter), target.parent
+        )
+    if recorded:
+        found = BenchModels(**{key: Path(path) for key, path in recorded.items()})
+    else:
+        found = ensure_tiny_models() if args.models == "tiny" else ensure_bench_models()
+    return BenchModels(
+        target=Path(args.target or found.target),
+        peagle=Path(args.peagle_drafter or found.peagle),
+        eagle3=Path(args.eagle3_drafter or found.eagle3),
+        root=found.root,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from vllm_peagle.bench.configs import resolve
     from vllm_peagle.bench.report import document, markdown, provenance, write_outputs
     from vllm_peagle.bench.sweep import SweepSettings, run_sweep
-    from vllm_peagle.bench.target import BenchModels, ensure_bench_models, ensure_tiny_models
 
     plots = not args.no_plots
     if plots:
@@ -165,27 +186,18 @@ def run(args: argparse.Namespace) -> int:
     if settings.settle_s < 0:
         raise SystemExit(f"vllm-peagle bench: --settle-s {settings.settle_s}: pass seconds >= 0")
     t0 = time.perf_counter()
-    overrides = (args.target, args.peagle_drafter, args.eagle3_drafter)
-    if all(overrides):  # nothing to build or train
-        target = Path(args.target)
-        models = BenchModels(
-            target, Path(args.peagle_drafter), Path(args.eagle3_drafter), target.parent
-        )
-    else:
-        models = ensure_tiny_models() if args.models == "tiny" else ensure_bench_models()
-        models = BenchModels(
-            target=Path(args.target or models.target),
-            peagle=Path(args.peagle_drafter or models.peagle),
-            eagle3=Path(args.eagle3_drafter or models.eagle3),
-            root=models.root,
-        )
+    at_start: dict | None = None
+    if args.from_runs:
+        records, at_start = rebuilt_runs(Path(args.from_runs), settings)
+    models = bench_models(args, (at_start or {}).get("models"))
     resolve(list(settings.configs), settings.ks[0], models)  # unknown names fail before servers
     out_dir = Path(args.out_dir)
     argv = sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"]
-    if args.from_runs:
-        records, at_start = rebuilt_runs(Path(args.from_runs), settings)
-    else:
-        at_start = provenance(argv) | {"recorded": "at start"}
+    if not args.from_runs:
+        at_start = provenance(argv) | {
+            "recorded": "at start",
+            "models": {key: str(path) for key, path in asdict(models).items()},
+        }
         # Each run is appended as it finishes, so an interrupted sweep keeps what it measured
         # (--from-runs turns it into the outputs); the provenance is of the sweep's start.
         partial = out_dir / f"{args.name}_logs" / RUNS_FILE
