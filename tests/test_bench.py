@@ -266,6 +266,55 @@ def test_adaptive_table_tells_clear_misses_from_noise():
     assert "the interval reaching 0.97×: c=2 greedy 0.960×." in page
 
 
+def test_adaptive_page_names_the_cells_where_it_drafted_as_the_best_did():
+    from vllm_peagle.bench.results import adaptive_section
+
+    runs = []
+    # c=1: adaptive drafts what K=4 drafts in every repeat; c=2: one repeat drafts less;
+    # c=4: plain decoding is best and adaptive drafts nothing.
+    for repeat, ratio in enumerate([0.90, 1.10, 1.00]):
+        for c in (1, 2):
+            runs += [
+                _run("none", repeat, 100, c=c),
+                _run("fixed:4", repeat, 300, 10, (8, 6, 4, 2), c=c),
+                _run("adaptive", repeat, 300 * ratio, 10 - (c == 2 and repeat == 1), (8,), c=c),
+            ]
+        runs += [
+            _run("none", repeat, 300, c=4),
+            _run("fixed:4", repeat, 100, 10, (1, 0, 0, 0), c=4),
+            _run("adaptive", repeat, 300 * ratio**2, c=4),
+        ]
+    names = ["none", "fixed:4", "adaptive"]
+    page = "\n".join(adaptive_section(document(runs, names, {"configs": names}, {}, {}, ["b"])))
+    assert (
+        "in 2 of 3 cells adaptive drafted exactly as many tokens as the best configuration in "
+        "every repeat (c=1 greedy 1.00×, c=4 greedy 1.00×); their 6 same-round ratios span "
+        "0.81× to 1.21× (median 1.00×)"
+    ) in page
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--repeats=0",
+        "--max-tokens=0",
+        "--requests-per-client=0",
+        "--min-requests=-1",
+        "--settle-s=-0.5",
+    ],
+)
+def test_bench_refuses_counts_below_one_before_building_anything(flag):
+    import argparse
+
+    from vllm_peagle.bench.command import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    name, value = flag.split("=")
+    with pytest.raises(SystemExit, match=f"{name} {value}: pass"):
+        run(parser.parse_args(["--models", "tiny", "--no-plots", flag]))
+
+
 def test_an_interrupted_sweep_rebuilds_from_its_complete_rounds(tmp_path):
     from vllm_peagle.bench.results import render
     from vllm_peagle.cli import main

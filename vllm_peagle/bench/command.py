@@ -48,8 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperatures", type=_floats, default=(0.0, 0.7))
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
-    p.add_argument("--requests-per-client", type=int, default=2)
-    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=2,
+        help="requests per run = concurrency x this (default 2), at least --min-requests",
+    )
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=4,
+        help="fewest requests in a run (default 4); runs of a second or two measure mostly "
+        "noise on a shared CPU host",
+    )
     p.add_argument(
         "--serve-args",
         default=CPU_SERVE_ARGS,
@@ -185,6 +196,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.settle_s < 0:
         raise SystemExit(f"vllm-peagle bench: --settle-s {settings.settle_s}: pass seconds >= 0")
+    for flag in ("repeats", "max_tokens", "requests_per_client", "min_requests"):
+        if getattr(settings, flag) < 1:
+            raise SystemExit(
+                f"vllm-peagle bench: --{flag.replace('_', '-')} {getattr(settings, flag)}: "
+                "pass a whole number >= 1"
+            )
     t0 = time.perf_counter()
     at_start: dict | None = None
     if args.from_runs:

@@ -190,8 +190,42 @@ def adaptive_section(doc: dict[str, Any]) -> list[str]:
             + ").",
             "",
             *_uncertainty_lines(ratios, 0.97),
+            *_same_work_lines(ratios),
         ]
     return lines
+
+
+def _same_work_lines(ratios: list[tuple[float, dict[str, Any]]]) -> list[str]:
+    """The cells where adaptive drafted exactly what the best configuration drafted.
+
+    There the policy's choices cost what the best configuration's cost, so the spread of
+    their same-round ratios shows what this machine's noise does to a ratio at these run
+    lengths (for no speculation, plus whatever a speculative engine spends on steps that
+    draft nothing).
+    """
+    same: list[tuple[float, dict[str, Any]]] = []
+    for value, row in ratios:
+        best = row["ratios"][ADAPTIVE_RATIO]["best"]
+        adaptive_drafts = row["configs"]["adaptive"].get("draft_tokens_runs")
+        if adaptive_drafts is not None and adaptive_drafts == row["configs"][best].get(
+            "draft_tokens_runs"
+        ):
+            same.append((value, row))
+    if not same:
+        return []
+    runs = [v for _, row in same for v in row["ratios"][ADAPTIVE_RATIO]["runs"]]
+    cells = ", ".join(
+        f"c={row['concurrency']} {_mode(row['temperature'])} {value:.2f}×" for value, row in same
+    )
+    return [
+        f"Same drafting as the best configuration: in {len(same)} of {len(ratios)} cells "
+        f"adaptive drafted exactly as many tokens as the best configuration in every repeat "
+        f"({cells}); their {len(runs)} same-round ratios span {min(runs):.2f}× to "
+        f"{max(runs):.2f}× (median {median(runs):.2f}×), the noise of a ratio at these run "
+        f"lengths (against no speculation it also holds what a speculative engine spends on "
+        f"steps that draft nothing).",
+        "",
+    ]
 
 
 def _uncertainty_lines(ratios: list[tuple[float, dict[str, Any]]], goal: float) -> list[str]:

@@ -128,6 +128,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "output_tokens": [run["output_tokens"] for run in runs],
         "output_tok_s": median(run["output_tok_s"] for run in runs),
         "output_tok_s_runs": [run["output_tok_s"] for run in runs],
+        "draft_tokens_runs": [run.get("num_draft_tokens", 0) for run in runs],
         "tpot_ms_p50": 1e3 * percentile(tpots, 50),
         "tpot_ms_p99": 1e3 * percentile(tpots, 99),
         "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else math.nan,
