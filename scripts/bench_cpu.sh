@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CPU figure of benchmarks/RESULTS.md, in one command (about an hour on 2 idle cores):
+# Every CPU figure of benchmarks/RESULTS.md, in one command (about two hours on 2 idle cores):
 #
 #   bash scripts/bench_cpu.sh
 #

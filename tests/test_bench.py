@@ -261,7 +261,7 @@ def test_adaptive_table_tells_clear_misses_from_noise():
     page = "\n".join(adaptive_section(document(runs, names, {"configs": names}, {}, {}, ["b"])))
     assert "| 1 | 100.0 | 300.0 | 274.2 | 0.91× [0.90, 0.92] vs P-EAGLE (ours, K=4) |" in page
     assert "0.96× [0.96, 1.00] vs P-EAGLE (ours, K=4) |" in page
-    assert "(93 % with 8 repeats)" in page
+    assert "(with 8 repeats the 2nd smallest to the 2nd largest, 93 %)" in page
     assert "interval below too: c=1 greedy 0.914×;" in page
     assert "the interval reaching 0.97×: c=2 greedy 0.960×." in page
 
@@ -348,8 +348,17 @@ def test_an_interrupted_sweep_rebuilds_from_its_complete_rounds(tmp_path):
     assert rebuilt["runs"] == 15 and rebuilt["repeats"] == [0, 1, 2]
     assert rebuilt["start_recorded"] is False  # this log has no provenance.json beside it
     page = render(tmp_path)
-    assert "from the 15 runs of its complete rounds, 3 of 8 repeats" in page
+    assert "from the 15 runs of its complete rounds, 3 of 8 repeats (stopped before" in page
     assert "the sweep's start was not recorded" in page
+    # A sweep whose every round is complete is rebuilt, not reported as stopped.
+    complete = [r for r in runs if r["repeat"] < 2 and r["config"] in names]
+    (logs / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in complete))
+    assert (
+        main([*argv[: argv.index("--repeats") + 1], "2", *argv[argv.index("--repeats") + 2 :]]) == 0
+    )
+    page = render(tmp_path)
+    assert "from the 12 runs of all 2 repeats;" in page and "stopped before" not in page
+    (logs / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
     with pytest.raises(SystemExit, match="no round in which every configuration"):
         main(
             [*argv[: argv.index("--configs") + 1], "none,fixed:2", *argv[argv.index("--repeats") :]]

@@ -61,17 +61,19 @@ def provenance_lines(doc: dict[str, Any]) -> list[str]:
         when = f"{load}; the sweep took {p.get('sweep_seconds', 0):.0f} s"
     else:
         repeats = rebuilt["repeats"]
-        when = (
-            f"stopped before it finished and rebuilt {rebuilt['time_utc']} "
-            f"(`{rebuilt['command']}`) from the {rebuilt['runs']} runs of its complete rounds, "
-            f"{len(repeats)} of "
-            f"{doc['settings'].get('repeats', '?')} repeats"
-            + (
-                f"; {load}"
-                if rebuilt["start_recorded"]
-                else f"; the sweep's start was not recorded, so the time, commit, versions and "
-                f"{load} are the rebuild's"
-            )
+        planned = doc["settings"].get("repeats", "?")
+        cells = len(doc["summary"]) * len(doc["settings"].get("configs", ()))
+        held = (
+            f"the {rebuilt['runs']} runs of all {planned} repeats"
+            if isinstance(planned, int) and rebuilt["runs"] == planned * cells
+            else f"the {rebuilt['runs']} runs of its complete rounds, {len(repeats)} of "
+            f"{planned} repeats (stopped before it finished)"
+        )
+        when = f"outputs rebuilt {rebuilt['time_utc']} (`{rebuilt['command']}`) from {held}" + (
+            f"; {load}"
+            if rebuilt["start_recorded"]
+            else f"; the sweep's start was not recorded, so the time, commit, versions and "
+            f"{load} are the rebuild's"
         )
     return [
         "```bash",
@@ -195,6 +197,16 @@ def adaptive_section(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _order_statistics(n: int) -> str:
+    """Which of n sorted values bound :func:`median_interval`, in words."""
+    interval = median_interval(list(range(n)))
+    rank = 1 if interval is None else int(interval[0]) + 1
+    if rank == 1:
+        return "the smallest to the largest"
+    nth = {2: "2nd", 3: "3rd"}.get(rank, f"{rank}th")
+    return f"the {nth} smallest to the {nth} largest"
+
+
 def _same_work_lines(ratios: list[tuple[float, dict[str, Any]]]) -> list[str]:
     """The cells where adaptive drafted exactly what the best configuration drafted.
 
@@ -244,12 +256,14 @@ def _uncertainty_lines(ratios: list[tuple[float, dict[str, Any]]], goal: float) 
             unclear.append(where)
     if not sizes:
         return []
-    described = ", ".join(f"{c} % with {n} repeats" for n, c in sorted(sizes))
+    described = "; ".join(
+        f"with {n} repeats {_order_statistics(n)}, {c} %" for n, c in sorted(sizes)
+    )
     return [
         f"In brackets: an interval of order statistics of the repeats' same-round ratios "
-        f"(with 8 repeats, the second smallest to the second largest) that holds the cell's "
-        f"true median ratio with a probability that does not depend on how the noise is "
-        f"distributed ({described}). Below {goal:.2f}× with the whole interval below too: "
+        f"that holds the cell's true median ratio with a probability that does not depend on "
+        f"how the noise is distributed ({described}). Below {goal:.2f}× with the whole "
+        f"interval below too: "
         f"{', '.join(clear) or 'none'}; below {goal:.2f}× by the median only, the interval "
         f"reaching {goal:.2f}×: {', '.join(unclear) or 'none'}.",
         "",
