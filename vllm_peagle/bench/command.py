@@ -194,14 +194,18 @@ def run(args: argparse.Namespace) -> int:
         **({} if args.settle_s is None else {"settle_s": args.settle_s}),
         request_seeds=args.request_seeds,
     )
-    if settings.settle_s < 0:
-        raise SystemExit(f"vllm-peagle bench: --settle-s {settings.settle_s}: pass seconds >= 0")
-    for flag in ("repeats", "max_tokens", "requests_per_client", "min_requests"):
-        if getattr(settings, flag) < 1:
-            raise SystemExit(
-                f"vllm-peagle bench: --{flag.replace('_', '-')} {getattr(settings, flag)}: "
-                "pass a whole number >= 1"
-            )
+    lowest = {
+        "settle_s": (0, "seconds >= 0"),
+        "repeats": (1, "a whole number >= 1"),
+        "max_tokens": (1, "a whole number >= 1"),
+        "requests_per_client": (1, "a whole number >= 1"),
+        "min_requests": (1, "a whole number >= 1"),
+    }
+    for field, (least, what) in lowest.items():
+        value = getattr(settings, field)
+        if value < least:
+            flag = "--" + field.replace("_", "-")
+            raise SystemExit(f"vllm-peagle bench: {flag} {value}: pass {what}")
     t0 = time.perf_counter()
     at_start: dict | None = None
     if args.from_runs:
