@@ -313,8 +313,9 @@ def test_serve_arguments_pass_vllms_parser(vllm_cli, where, argv):
     assert isinstance(spec, dict), f"{where}: --speculative-config must be a JSON object"
     assert spec["method"] == "peagle"
     assert isinstance(spec["model"], str) and spec["model"]
-    assert isinstance(spec["num_speculative_tokens"], int)
-    assert 1 <= spec["num_speculative_tokens"] <= 32
+    k = spec["num_speculative_tokens"]
+    assert type(k) is int, f"{where}: num_speculative_tokens {k!r} is not an integer"
+    assert 1 <= k <= 32, f"{where}: num_speculative_tokens {k} is outside 1..32"
 
 
 def test_parser_catches_a_flag_typo(vllm_cli):

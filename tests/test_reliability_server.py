@@ -362,7 +362,8 @@ def test_mixed_sampling_batch_behaves_as_without_speculation(
         got = choices(reply)
         assert len(got) == body.get("n", 1), name
         for choice in got:
-            assert 1 <= len(choice["token_ids"]) <= body["max_tokens"], name
+            assert choice["token_ids"], name  # every 200 reply generated something
+            assert len(choice["token_ids"]) <= body["max_tokens"], name
             if body.get("ignore_eos"):
                 assert len(choice["token_ids"]) == body["max_tokens"], name
             assert not any(stop in choice["text"] for stop in body.get("stop", [])), name
