@@ -63,7 +63,8 @@ class AdaptiveKMixin:
         trace = os.environ.get("VLLM_PEAGLE_ADAPTIVE_TRACE")
         # One line per step: tokens, batch size, K drafted, drafts verified, seconds, the
         # seconds the engine sat idle before the step was scheduled, the policy's K for the
-        # batch size (a K drafted above it is a probe) and the wall-clock time.
+        # batch size (a K drafted above it is a probe), the wall-clock time and the drafts
+        # accepted (last, so traces written before it read the same).
         self._trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115
         logger.info(
             "vllm-peagle adaptive K on: K chosen per step in %d..%d from live acceptance and "
@@ -159,10 +160,11 @@ class AdaptiveKMixin:
         )
         if self._trace is not None:
             verified = sum(d for d, _ in verifications)
+            accepted = sum(a for _, a in verifications)
             policy_k = self.k_controller.policy_k[min(batch_size, self.max_num_running_reqs)]
             self._trace.write(
                 f"{num_tokens} {batch_size} {drafted_k} {verified} {seconds:.6f} {idle:.6f} "
-                f"{policy_k} {time.time():.3f}\n"
+                f"{policy_k} {time.time():.3f} {accepted}\n"
             )
         log_every = self.k_controller.config.log_interval_s
         if log_every and time.monotonic() - self._last_log_time >= log_every:
