@@ -369,6 +369,27 @@ def test_cost_correction_folds_a_batch_as_it_would_one_step_at_a_time():
     assert (batched.weight > 0).sum() > 2  # several shapes were folded
 
 
+def test_a_shape_measured_again_after_a_pause_follows_the_new_measurement():
+    """Twenty plain steps at 16 ms, then steps at 12 ms: straight after the twenty, one is a
+    step among many; after 100 steps of other shapes the new steps are the news (the host's
+    speed drifts), though one alone moves the shape only halfway (one step is noisy)."""
+
+    def factor_after(gap: int, new_steps: int) -> float:
+        correction = CostCorrection(8, 4)
+        count = 20 + new_steps
+        steps = np.concatenate([np.arange(20.0), 19.0 + gap + np.arange(new_steps)])
+        seconds = np.concatenate([np.full(20, 0.016), np.full(new_steps, 0.012)])
+        ones = np.ones(count)
+        correction.observe_many(ones, ones, ones < 0, seconds, np.full(count, 0.012), steps)
+        coefficients = np.array([0.0, 0.012, 0.0, 0.0, 0.0])  # predicts 12 ms per plain step
+        return correction.table(1, coefficients)[0][1, 0]
+
+    assert factor_after(1, 1) > 1.25
+    assert factor_after(1, 3) > 1.2
+    assert factor_after(100, 1) == pytest.approx(14 / 12)
+    assert factor_after(100, 3) < 1.1
+
+
 # CPU-like costs of a small target: per-request drafting is dear (every K_max slot runs).
 CPU_COSTS = (8e-3, 1.5e-4, 4e-3, 3.5e-4)
 # A compute-bound target: a step's fixed cost is small beside its per-token cost.
@@ -430,6 +451,8 @@ def test_hysteresis_stops_flapping_between_near_equal_choices():
         ({"min_k": -1}, "min_k >= 0"),
         ({"speed": 2}, "Unknown 'adaptive' setting"),
         ({"first_drafting_probe_loss_share": 0}, "0 < first_drafting_probe_loss_share <= 1"),
+        ({"plain_cost_probe_margin": 1.0}, "0 <= plain_cost_probe_margin < 1"),
+        ({"plain_refresh_steps": 0}, "plain_refresh_steps >= 1"),
     ],
 )
 def test_bad_adaptive_settings_are_clear_errors(setting, message):
@@ -824,3 +847,46 @@ def test_drafts_no_request_can_use_are_not_scheduled(states, scheduled, want):
     requests = {str(i): state for i, state in enumerate(states)}
     counts = {str(i): n for i, n in enumerate(scheduled)}
     assert useful_drafts(requests, counts, 5) == want
+
+
+class SlowingEngine(SimulatedEngine):
+    """Steps run ``slowdown`` times their cost: the host's speed drifting under the engine."""
+
+    slowdown = 1.0
+
+    def seconds(self, coefficients, k: int, verified: int) -> float:
+        return self.slowdown * true_seconds(coefficients, self.batch, k, verified)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_plain_step_measured_while_the_host_ran_slow_does_not_keep_the_policy_drafting(seed):
+    """As in a CPU bench run at T=0.7: sampled requests the drafter rarely predicts, where
+    plain decoding is ~8 % faster than the best drafting K. The host runs 35 % slow (as the
+    CPU bench host does about a tenth of the time) until plain decoding, measured there,
+    looks slower than drafting measured earlier and the policy drafts; then it is fast
+    again, and drafting is measured at its true cost every step. Plain decoding must be
+    measured again too, or the policy drafts at a loss for as long as it trusts the slow
+    measurement (on the bench, hundreds of steps; here, to the end)."""
+    costs = (0.011, 0.001, 0.0026, 0.0)  # batch 1: plain 12 ms, K=1 15.6 ms, K=4 18.6 ms
+    sampled = np.full(7, 0.2)
+    plain_rate = 1 / true_seconds(costs, 1, 0)
+    drafting_rates = [expected_tokens(sampled, k) / true_seconds(costs, 1, k) for k in range(1, 8)]
+    assert 0.85 < max(drafting_rates) / plain_rate < 0.95
+    engine = SlowingEngine(KController(7, 8, AdaptiveConfig()), batch=1, seed=seed)
+    for alphas, steps in ((AGREEING, 300), (sampled, 400)):
+        for _ in range(steps):
+            engine.step(alphas, costs)
+    assert engine.controller.policy_k[1] == 0
+    engine.slowdown = 1.35
+    for _ in range(200):
+        engine.step(sampled, costs)
+        if engine.controller.policy_k[1]:
+            break
+    assert engine.controller.policy_k[1] > 0  # the slow measurement tipped it into drafting
+    engine.slowdown = 1.0
+    for _ in range(600):
+        engine.step(sampled, costs)
+    after = engine.k_history[-600:]
+    assert after.index(0) <= 250, after
+    assert sum(1 for k in after if k) <= 300, after
+    assert engine.controller.policy_k[1] == 0, after

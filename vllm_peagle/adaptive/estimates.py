@@ -244,11 +244,19 @@ class CostCorrection:
     Each shape keeps decayed means of its step times and of its steps' regressors, and the
     factor is their ratio under the model as it is when asked: a factor taken against the
     prediction of the moment a step ran would correct twice once the model has learnt from
-    that very step.
+    that very step. A shape's memory also fades while other shapes run, so the steps that
+    measure it again after a pause soon outweigh what it measured before: the host's speed
+    drifts, and a shape compared against one measured just now must be measured near now
+    too (the CPU bench host runs ~30 % slow for ~50 steps about a tenth of the time; a plain
+    step measured in such a window kept sampled requests drafting for hundreds of steps).
     """
 
     half_life_observations = 8.0
     """Observations of one shape after which an older one weighs half."""
+    half_life_steps = 16.0
+    """Decoding steps without a shape after which its earlier steps weigh half (down to the
+    weight of one step: a single step, noisy on a shared host, moves a shape at most
+    halfway to what it measured)."""
 
     def __init__(self, max_batch_size: int, max_k: int) -> None:
         shape = (int(batch_bucket(max_batch_size)) + 1, max_k + 2, 2)
@@ -262,6 +270,7 @@ class CostCorrection:
         self.last_seen = np.full(shape, -(10**9))
         """Decoding step at which each shape was last measured."""
         self.decay = decay_for_half_life(self.half_life_observations)
+        self.pause_decay = decay_for_half_life(self.half_life_steps)
         self.max_k = max_k
 
     def observe_many(
@@ -303,9 +312,18 @@ class CostCorrection:
         ):
             state = folded.setdefault(
                 index,
-                [self.seconds[index], self.features[index], self.weight[index], 0, 0],
+                [
+                    self.seconds[index],
+                    self.features[index],
+                    self.weight[index],
+                    self.last_seen[index],
+                    0,
+                ],
             )
             weight = state[2] * self.decay
+            paused = step - state[3] - 1
+            if paused > 0:  # never below one step's weight: one noisy step moves it halfway
+                weight = max(weight * self.pause_decay**paused, min(weight, 1.0))
             state[0] = (state[0] * weight + step_seconds) / (weight + 1)
             state[1] = (state[1] * weight + step_features) / (weight + 1)
             state[2] = weight + 1

@@ -34,8 +34,10 @@ Around the argmax sit four guards:
   (drafting against plain decoding) is predicted within ``cost_probe_margin`` of the
   policy's K, two steps run at that K so its step time is measured at this batch size, and
   predictions are scaled by what steps of each shape measured
-  (:class:`~vllm_peagle.adaptive.estimates.CostCorrection`). A shape is measured again once
-  ``cost_refresh_steps`` old, as often as ``probe_budget`` allows. A cost probe waits until
+  (:class:`~vllm_peagle.adaptive.estimates.CostCorrection`). Drafting is measured again
+  once ``cost_refresh_steps`` old, plain decoding (within the wider
+  ``plain_cost_probe_margin``) once ``plain_refresh_steps`` old, as often as
+  ``probe_budget`` allows. A cost probe waits until
   the policy's K has run ``cost_probe_after_steps`` steps at that batch size (the first
   steps after a burst of prompts run slow; a first probe of drafting waits until its
   predicted loss is a small share of the steps run there, at most
@@ -90,8 +92,16 @@ class AdaptiveConfig:
     Predictions there are already scaled by a measurement, so only a drift of this size could
     change the choice (sampled requests on the CPU bench models: drafting ~20-25 % short,
     each refresh ~1 % of a 260-step run)."""
+    plain_cost_probe_margin: float = 0.4
+    """As ``cost_probe_margin``, for plain decoding where the policy drafts, which is measured
+    again once ``plain_refresh_steps`` old: two plain steps lose little where drafting barely
+    pays, and a plain step measured while the host ran slow (the CPU bench host runs ~30 %
+    slow for ~50 steps about a tenth of the time) kept sampled requests drafting for hundreds
+    of steps on a plain-step cost ~35 % too high."""
     cost_refresh_steps: int = 512
-    """Decoding steps after which a measured step shape is measured again."""
+    """Decoding steps after which a measured drafting step shape is measured again."""
+    plain_refresh_steps: int = 64
+    """Decoding steps after which plain decoding, where the policy drafts, is measured again."""
     cost_probe_after_steps: int = 16
     """Steps the policy's own K must have run at a batch size before a cost probe compares
     the other kind there: the first steps after a burst of prompts run slow (fresh cache
@@ -137,14 +147,18 @@ class AdaptiveConfig:
             or config.probe_interval_steps < 1
             or not 0 < config.probe_budget <= 1
             or not 0 <= config.cost_probe_margin < 1
+            or not 0 <= config.plain_cost_probe_margin < 1
             or config.cost_refresh_steps < 1
+            or config.plain_refresh_steps < 1
             or config.cost_probe_after_steps < 0
             or config.first_drafting_probe_after_steps < 0
             or not 0 < config.first_drafting_probe_loss_share <= 1
         ):
             raise ValueError(
                 "'adaptive' needs min_k >= 0, hysteresis >= 0, probe_interval_steps >= 1, "
-                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1, cost_refresh_steps >= 1, "
+                "0 < probe_budget <= 1, 0 <= cost_probe_margin < 1, "
+                "0 <= plain_cost_probe_margin < 1, cost_refresh_steps >= 1, "
+                "plain_refresh_steps >= 1, "
                 "cost_probe_after_steps >= 0, first_drafting_probe_after_steps >= 0 and "
                 "0 < first_drafting_probe_loss_share <= 1. "
                 f"Fix: correct {setting!r}."
@@ -248,10 +262,13 @@ def cost_probe_plan(
     over a plain one's only grows with the batch (verification turns compute-bound), so a
     drafter that does not pay at batch size 1, measured there, pays nowhere (sampled requests
     it rarely predicts; a first probe at a large batch size costs several plain steps).
-    Once measured, a kind is probed again where its predicted rate is within
+    Once measured, drafting is probed again where its predicted rate is within
     ``cost_probe_margin`` of the policy's and the measurement is more than
-    ``cost_refresh_steps`` old, spaced so the lost time, two steps at the contender's lower
-    rate, stays within ``probe_budget`` of decoding time. No batch size is probed before the
+    ``cost_refresh_steps`` old; plain decoding, the baseline, where its rate is within the
+    wider ``plain_cost_probe_margin`` and its measurement ``plain_refresh_steps`` old (its
+    probe is cheap where the choice is close, and the host's speed drifts). Either is spaced so
+    the lost time, two steps at the contender's lower rate, stays within ``probe_budget``
+    of decoding time. No batch size is probed before the
     policy's own K has run ``cost_probe_after_steps`` steps there (``measured_steps``: steps
     measured per batch size and K), so the two steps of the contender are compared with a
     settled measurement of the incumbent; drafting is first measured at a batch size once
@@ -268,12 +285,15 @@ def cost_probe_plan(
     current = rates[rows, policy_k]
     relative = contender_rates[rows, contender] / np.maximum(current, 1e-12)
     never_measured = last_measured[rows, contender] < 0
-    stale = step - last_measured[rows, contender] > config.cost_refresh_steps
+    plain = contender == 0
+    refresh_steps = np.where(plain, config.plain_refresh_steps, config.cost_refresh_steps)
+    stale = step - last_measured[rows, contender] > refresh_steps
     first_drafting = never_measured & (contender > 0)
     drafting_rate = np.where((k > 0) & (k >= min_k), rates, -np.inf).max(axis=1)
     drafting_pays = drafting_rate > rates[:, 0] * (1 + config.hysteresis)
     ruled_out = first_drafting & ~np.maximum.accumulate(drafting_pays)
-    contends = (never_measured & ~ruled_out) | (stale & (relative >= 1 - config.cost_probe_margin))
+    margin = np.where(plain, config.plain_cost_probe_margin, config.cost_probe_margin)
+    contends = (never_measured & ~ruled_out) | (stale & (relative >= 1 - margin))
     lost = 2 * seconds[rows, contender] * np.maximum(1 - relative, 0)
     overhead = lost / np.maximum(seconds[rows, policy_k], 1e-12)
     first_wait = np.clip(
