@@ -732,6 +732,7 @@ def test_a_drafter_rarely_accepted_costs_little_more_than_plain_decoding(batch):
 def test_no_probe_drafts_over_prompts_while_requests_wait():
     controller = KController(7, 64, AdaptiveConfig())
     controller.decode_steps = 4 * len(controller.calibration) * 16  # past calibration
+    controller.steps_at[:] = controller.decode_steps  # as if every batch size had run them
     controller.policy_k = [0] * 65
     controller.probe_k = np.full(65, 7)  # every batch size due for a probe this step
     controller.probe_interval = np.full(65, 16)
@@ -756,6 +757,7 @@ def test_probes_keep_their_interval_while_it_drifts():
     probes = []
     for step in range(start, start + 4000):
         controller.decode_steps = step
+        controller.steps_at[32] = step  # every step at batch size 32
         controller.probe_interval = np.full(65, 368 + 16 * ((step // 16) % 4))
         controller.before_step()
         if controller.lookup[32] == 7:
@@ -763,6 +765,33 @@ def test_probes_keep_their_interval_while_it_drifts():
     gaps = np.diff(probes)
     assert len(probes) >= 4000 // 416 - 1
     assert gaps.min() >= 368, probes
+
+
+def test_a_batch_size_only_short_runs_reach_is_probed_for_its_own_steps():
+    """A probe at batch size 64 (a K=7 step there costs ~5 plain ones) is spaced to cost
+    the budget of the steps run at 64. Spaced in steps at any batch size, it came due while
+    the engine ran other batch sizes, and a short run at 64 took it (on the CPU bench, one
+    K=7 step in 3 of 5 runs at concurrency 64, ~5 % of each)."""
+    controller = KController(7, 64, AdaptiveConfig())
+    controller._update_policy = lambda step=None: None  # keep the forced plan
+    controller.policy_k = [0] * 65
+    controller.probe_k = np.array([0] * 64 + [7])  # only batch size 64 has a probe to take
+    controller.probe_interval = np.full(65, 800)
+    controller.cost_probe_k = np.zeros(65, dtype=int)
+
+    def run(batch: int, steps: int) -> list[int]:
+        drafted = []
+        for _ in range(steps):
+            controller.before_step()
+            drafted.append(controller.lookup[batch])
+            controller.observe_step(batch, batch, drafted[-1], 0.01, [])
+        return drafted
+
+    run(1, 3000)
+    assert not any(run(64, 70))  # 70 steps at 64: far from 800
+    probes = run(64, 1600)
+    assert 1 <= sum(1 for k in probes if k) <= 2, probes
+    assert probes.index(7) >= 800 - 70 - 16
 
 
 def test_drafter_compute_ratio_counts_projections():

@@ -26,7 +26,8 @@ Around the argmax sit four guards:
 * **probes**: now and then one step drafts more than the policy's K, so acceptance past the
   chosen K stays measured and a K that collapsed can come back when the drafter predicts
   well again (:func:`probe_plan`). A batch size is probed only where a longer draft could
-  win at all, and only as often as a small time budget (``probe_budget``) allows; where
+  win at all, and only as often as a small time budget (``probe_budget``) of the steps run
+  at that batch size allows; where
   drafting costs more than it could ever return (large batches on a compute-bound target)
   there are no probes;
 * **cost probes**: the step cost model is linear and fitted where the policy has run, so it
@@ -218,7 +219,8 @@ def probe_plan(
     it costs throughput and could teach nothing that changes the choice). Probes are spaced so
     that their extra time, ``T(B, K_probe) - T(B, K)`` per probe (the drafting of one step
     plus the verification of the next), stays within ``budget`` of the step time, in whole
-    multiples of ``min_interval`` steps.
+    multiples of ``min_interval`` steps at that batch size (the controller counts them per
+    batch size, ``KController.steps_at``).
     """
     max_k = seconds.shape[1] - 1
     rows = np.arange(len(policy_k))
@@ -358,9 +360,13 @@ class KController:
         self.cost_probe_k = np.array(self.policy_k)
         """The K of a cost probe per batch size (the policy's K where none is due)."""
         self.cost_probe_interval = np.full(max_batch_size + 1, config.probe_interval_steps)
+        self.steps_at = np.zeros(max_batch_size + 1, dtype=int)
+        """Decoding steps run at each batch size: probes are spaced in these, so a probe's
+        cost is spread over the steps at its own batch size (a batch size that only short
+        runs reach would otherwise take a dear probe in whichever run reaches it)."""
         self._last_probe = np.zeros(max_batch_size + 1, dtype=int)
         self._last_cost_probe = np.zeros(max_batch_size + 1, dtype=int)
-        """Decoding step of each batch size's last probe (or skipped probe) of each kind."""
+        """``steps_at`` of each batch size at its last probe (or skipped probe) of each kind."""
         self._probe_second_step: list[int] | None = None
         """A cost probe's table, held for its second step (its first only drafts)."""
         half = max(1, (max_k + 1) // 2)
@@ -416,14 +422,14 @@ class KController:
         # near one would be a multiple of each new value in turn, probing every few steps).
         # A batch size not running when its probe is due skips that probe.
         if heading_batch is None and step % self.config.probe_interval_steps == 0:
-            probing = (step - self._last_probe >= self.probe_interval) & (
+            probing = (self.steps_at - self._last_probe >= self.probe_interval) & (
                 self.probe_k != self.policy_k
             )
-            cost_probing = (step - self._last_cost_probe >= self.cost_probe_interval) & (
+            cost_probing = (self.steps_at - self._last_cost_probe >= self.cost_probe_interval) & (
                 self.cost_probe_k != self.policy_k
             )
-            self._last_probe[probing] = step
-            self._last_cost_probe[cost_probing] = step
+            self._last_probe[probing] = self.steps_at[probing]
+            self._last_cost_probe[cost_probing] = self.steps_at[cost_probing]
             if probing.any() or cost_probing.any():
                 policy_or_probe = np.where(probing, self.probe_k, self.policy_k)
                 self.lookup[:] = np.where(cost_probing, self.cost_probe_k, policy_or_probe).tolist()
@@ -486,6 +492,7 @@ class KController:
         if batch_size <= 0:
             return
         self.decode_steps += 1
+        self.steps_at[min(batch_size, self.max_batch_size)] += 1
         self.history.append(
             (batch_size, drafted_k, self.policy_k[min(batch_size, self.max_batch_size)])
         )
