@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from vllm_peagle import monitor
+from vllm_peagle.config import MAX_SPECULATIVE_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "examples" / "kubernetes"
@@ -315,7 +316,9 @@ def test_serve_arguments_pass_vllms_parser(vllm_cli, where, argv):
     assert isinstance(spec["model"], str) and spec["model"]
     k = spec["num_speculative_tokens"]
     assert type(k) is int, f"{where}: num_speculative_tokens {k!r} is not an integer"
-    assert 1 <= k <= 32, f"{where}: num_speculative_tokens {k} is outside 1..32"
+    assert k in range(1, MAX_SPECULATIVE_TOKENS + 1), (
+        f"{where}: num_speculative_tokens {k} is outside 1..{MAX_SPECULATIVE_TOKENS}"
+    )
 
 
 def test_parser_catches_a_flag_typo(vllm_cli):
