@@ -492,10 +492,9 @@ class KController:
         if batch_size <= 0:
             return
         self.decode_steps += 1
-        self.steps_at[min(batch_size, self.max_batch_size)] += 1
-        self.history.append(
-            (batch_size, drafted_k, self.policy_k[min(batch_size, self.max_batch_size)])
-        )
+        row = min(batch_size, self.max_batch_size)
+        self.steps_at[row] += 1
+        self.history.append((batch_size, drafted_k, self.policy_k[row]))
         # The first steps of an engine pay one-off costs (kernel selection, allocator warm-up).
         if seconds is not None and seconds > 0 and self.decode_steps > self.warmup_steps:
             # Folded into the cost model when the policy next reads it: this runs on the
